@@ -1,0 +1,1 @@
+"""Adapters for training frameworks (Lightning, Accelerate); they use only the public API."""

@@ -1,0 +1,244 @@
+"""Benchmark models: small, seeded, CPU-friendly stand-ins for the shapes remat sees in practice.
+
+Every factory returns a :class:`BenchModel` in train mode. Two factories called with the same
+``seed`` and ``dtype`` build identical modules, and ``make_batch(seed)`` is deterministic, so a
+peer and its baseline can be compared bitwise.
+
+The peers (``bench/peers.py``) rely on one convention, stated on :attr:`BenchModel.layers`: the
+repeated layers run in order, each called as ``layer(hidden, *rest, **kwargs)`` with the previous
+layer's output as ``hidden``, the same ``rest``/``kwargs`` for every layer, and returning the new
+hidden tensor. That is what lets a peer checkpoint a run of several layers as one segment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["BenchModel", "MODELS", "build", "gpt2_tiny", "mlp_chain", "resnet_tiny"]
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class BenchModel:
+    """A model plus everything a benchmark needs to run one training step of it."""
+
+    name: str
+    module: nn.Module  # in train mode; dropout active
+    make_batch: Callable[[int], Batch]  # seed -> (args, kwargs) for module(*args, **kwargs)
+    loss: Callable[[Any], torch.Tensor]  # module output -> scalar loss to call backward on
+    # Repeated layers, in call order; each maps the previous one's hidden tensor to the next (module docstring).
+    layers: list[nn.Module]
+    # Per-layer checkpointing through the model's own switch (HF gradient_checkpointing_enable) when it has one.
+    hf_gradient_checkpointing: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)  # sizes, for reports
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """Forward of the unmodified module on ``batch``; returns the loss."""
+        args, kwargs = batch
+        return self.loss(self.module(*args, **kwargs))
+
+
+@contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Build under ``seed`` without moving the caller's global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- gpt2-tiny ---------------------------------------------------------------------------------
+
+
+def gpt2_tiny(
+    n_layer: int = 4,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> BenchModel:
+    """HF GPT-2 with random weights (never ``from_pretrained``): 256 wide, 4 heads, ``n_layer`` blocks.
+
+    The vocabulary is cut to 1000 tokens so the LM head (seq x vocab logits) does not dwarf the
+    blocks that remat works on; positions are capped at 256, the benchmark's sequence length.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel  # optional dependency; only this model needs it
+
+    vocab_size = 1000
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_embd=256,
+        n_head=4,
+        n_positions=256,
+        vocab_size=vocab_size,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        use_cache=False,
+        bos_token_id=vocab_size - 1,  # GPT-2's 50256 lies outside the cut vocabulary
+        eos_token_id=vocab_size - 1,
+    )
+    if seq_len > config.n_positions:
+        raise ValueError(f"bench.models: seq_len {seq_len} exceeds n_positions {config.n_positions}; lower seq_len.")
+    with _seeded(seed):
+        module = GPT2LMHeadModel(config).to(device=device, dtype=dtype).train()
+    module.loss_type = "ForCausalLM"  # HF's default, named so it does not warn that none was set
+
+    def make_batch(batch_seed: int) -> Batch:
+        input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=_generator(batch_seed))
+        input_ids = input_ids.to(device)
+        return (), {"input_ids": input_ids, "labels": input_ids}
+
+    return BenchModel(
+        name="gpt2-tiny" if n_layer == 4 else f"gpt2-tiny-{n_layer}l",
+        module=module,
+        make_batch=make_batch,
+        loss=lambda output: output.loss,
+        layers=list(module.transformer.h),
+        hf_gradient_checkpointing=True,
+        meta={"n_layer": n_layer, "batch_size": batch_size, "seq_len": seq_len, "vocab_size": vocab_size},
+    )
+
+
+# --- mlp-chain ---------------------------------------------------------------------------------
+
+
+class _ClassifierLoss(nn.Module):
+    """``forward(x, y)`` returns the cross-entropy of ``head(body(x))`` against ``y``."""
+
+    def __init__(self, body: nn.Sequential, head: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.head = head
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.body(x)), y)
+
+
+def mlp_chain(
+    n_blocks: int = 8,
+    width: int = 512,
+    batch_size: int = 256,
+    n_classes: int = 10,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> BenchModel:
+    """``n_blocks`` x (Linear(width, width) + GELU + Dropout(0.1)), a linear head, cross-entropy loss."""
+    with _seeded(seed):
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)) for _ in range(n_blocks)]
+        module = _ClassifierLoss(nn.Sequential(*blocks), nn.Linear(width, n_classes))
+    module = module.to(device=device, dtype=dtype).train()
+
+    def make_batch(batch_seed: int) -> Batch:
+        gen = _generator(batch_seed)
+        x = torch.randn(batch_size, width, generator=gen, dtype=dtype).to(device)
+        y = torch.randint(0, n_classes, (batch_size,), generator=gen).to(device)
+        return (x, y), {}
+
+    return BenchModel(
+        name="mlp-chain",
+        module=module,
+        make_batch=make_batch,
+        loss=lambda output: output,
+        layers=list(module.body),
+        meta={"n_blocks": n_blocks, "width": width, "batch_size": batch_size},
+    )
+
+
+# --- resnet-tiny -------------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block: two 3x3 conv+BN, identity (or 1x1 conv+BN) shortcut, ReLU after the sum."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNetTiny(nn.Module):
+    """Stem conv+BN+ReLU, four basic blocks (16, 32, 64, 64 channels), global average pool, linear."""
+
+    def __init__(self, n_classes: int = 10, widths: tuple[int, ...] = (16, 32, 64, 64)) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        blocks, in_channels = [], widths[0]
+        for i, out_channels in enumerate(widths):
+            blocks.append(BasicBlock(in_channels, out_channels, stride=1 if i == 0 else 2))
+            in_channels = out_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(in_channels, n_classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.stem(x))  # (B, 3, 32, 32) -> (B, 64, 4, 4)
+        logits = self.fc(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1))  # (B, n_classes)
+        return F.cross_entropy(logits, y)
+
+
+def resnet_tiny(
+    batch_size: int = 8,
+    image_size: int = 32,
+    n_classes: int = 10,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> BenchModel:
+    """:class:`ResNetTiny` on ``batch_size`` x 3 x 32 x 32 images; ``forward(x, y)`` returns the loss."""
+    with _seeded(seed):
+        module = ResNetTiny(n_classes)
+    module = module.to(device=device, dtype=dtype).train()
+
+    def make_batch(batch_seed: int) -> Batch:
+        gen = _generator(batch_seed)
+        x = torch.randn(batch_size, 3, image_size, image_size, generator=gen, dtype=dtype).to(device)
+        y = torch.randint(0, n_classes, (batch_size,), generator=gen).to(device)
+        return (x, y), {}
+
+    return BenchModel(
+        name="resnet-tiny",
+        module=module,
+        make_batch=make_batch,
+        loss=lambda output: output,
+        layers=list(module.blocks),
+        meta={"batch_size": batch_size, "image_size": image_size},
+    )
+
+
+MODELS: dict[str, Callable[..., BenchModel]] = {
+    "gpt2-tiny": gpt2_tiny,
+    "mlp-chain": mlp_chain,
+    "resnet-tiny": resnet_tiny,
+}
+
+
+def build(name: str, **kwargs: Any) -> BenchModel:
+    """Build a benchmark model by name; ``kwargs`` go to its factory (``dtype``, ``seed``, sizes)."""
+    if name not in MODELS:
+        raise KeyError(f"bench.models: unknown model {name!r}; choose one of {sorted(MODELS)}.")
+    return MODELS[name](**kwargs)

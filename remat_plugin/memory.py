@@ -1,0 +1,207 @@
+"""Peak-memory meter: how far allocated memory rises during a block above where it started.
+
+This is the project's one meaning of a budget (DESIGN.md, "Budget"): the most that allocated
+device memory rises during one forward+backward above what is allocated when the step starts.
+
+- CUDA reads the caching allocator's counters: baseline ``memory_allocated()`` on entry,
+  ``max_memory_allocated()`` after ``reset_peak_memory_stats()``.
+- CPU has no such counters, so the meter tracks live tensor storages itself (see the note
+  below). It sees every storage an ATen op returns, including those created by autograd
+  during ``backward()`` run inside the block, and is exact and noise-free for those; scratch
+  buffers a kernel allocates and frees internally are not seen.
+
+NOTE [CPU storage tracking]
+A ``TorchDispatchMode`` sees the outputs of every op. For each output tensor we look at its
+``UntypedStorage``. A storage that is also the storage of one of the op's inputs is not new
+(views, in-place ops, ``out=``), and neither is a storage we already track; anything else was
+allocated by this op, so its ``nbytes`` is added to the running total. We free it again from a
+``weakref.finalize`` on the storage's Python object: PyTorch preserves that object for as long
+as the C++ storage lives (``tensor.untyped_storage()`` returns the same object every time, even
+after every Python tensor is gone and only autograd holds the storage), so the finalizer fires
+exactly when the memory is released. Entries are keyed by ``id()`` of the storage object, which
+cannot be reused before the finalizer has removed the entry. A tracked storage that grows in
+place (``resize_``, ``out=`` into a too-small tensor) is re-counted at its new size; a storage
+from before the block that grows counts only its growth.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["PeakMeter", "measure_peak", "measure_peak_profiler"]
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Counts bytes of storages created by ops while the mode is active (NOTE [CPU storage tracking])."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._device = device
+        self._lock = threading.Lock()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        # id(storage) -> (counted bytes, finalizer)
+        self._entries: dict[int, tuple[int, weakref.finalize]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {id(s): s.nbytes() for s in self._storages(tree_leaves((args, kwargs)))}
+        out = func(*args, **kwargs)
+        for storage in self._storages(tree_leaves(out)):
+            key = id(storage)
+            if key in self._entries:
+                self._regrow(storage, self._entries[key][0])
+            elif key in before:
+                growth = storage.nbytes() - before[key]
+                if growth > 0:
+                    self._track(storage, growth)
+            else:
+                self._track(storage, storage.nbytes())
+        return out
+
+    def _storages(self, leaves: list[Any]) -> list[torch.UntypedStorage]:
+        found = []
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) or leaf.device != self._device:
+                continue
+            try:
+                found.append(leaf.untyped_storage())
+            except (NotImplementedError, RuntimeError):
+                continue  # sparse and other storage-less layouts
+        return found
+
+    def _track(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        key = id(storage)
+        finalizer = weakref.finalize(storage, self._release, key)
+        with self._lock:
+            self._entries[key] = (nbytes, finalizer)
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _regrow(self, storage: torch.UntypedStorage, counted: int) -> None:
+        nbytes = storage.nbytes()
+        if nbytes <= counted:
+            return
+        key = id(storage)
+        with self._lock:
+            self._entries[key] = (nbytes, self._entries[key][1])
+            self.live_bytes += nbytes - counted
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self.live_bytes -= entry[0]
+
+    def detach_all(self) -> None:
+        """Stop listening for frees; storages still alive stay counted in ``live_bytes``."""
+        with self._lock:
+            entries, self._entries = self._entries, {}
+        for _, finalizer in entries.values():
+            finalizer.detach()
+
+
+class PeakMeter:
+    """Context manager measuring the peak rise of allocated memory above its value on entry.
+
+    After the block, ``peak_bytes`` is the most allocated memory rose above the baseline and
+    ``end_bytes`` the rise still allocated at exit (what was created inside and is still alive).
+    Meters nest: an inner meter measures its own block and the outer one still sees everything.
+    """
+
+    _cuda_active: list[PeakMeter] = []  # open CUDA meters, so a nested reset keeps outer peaks
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"memory.PeakMeter: device {self.device} is not supported; use 'cpu' or 'cuda'."
+            )
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self._open = False
+        self._tracker: _StorageTracker | None = None
+        self._baseline_bytes = 0
+        self._max_before_reset_bytes = 0
+
+    def __enter__(self) -> PeakMeter:
+        if self._open:
+            raise RuntimeError(
+                "memory.PeakMeter: this meter is already open; use a new PeakMeter for a nested block."
+            )
+        self._open = True
+        if self.device.type == "cpu":
+            self._tracker = _StorageTracker(self.device)
+            self._tracker.__enter__()
+        else:
+            self._enter_cuda()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._open = False
+        if self.device.type == "cpu":
+            assert self._tracker is not None
+            tracker, self._tracker = self._tracker, None
+            tracker.__exit__(*exc)
+            tracker.detach_all()
+            self.peak_bytes = tracker.peak_bytes
+            self.end_bytes = tracker.live_bytes
+        else:
+            self._exit_cuda()
+
+    def _enter_cuda(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for outer in PeakMeter._cuda_active:
+            if outer.device == self.device:
+                outer._max_before_reset_bytes = max(
+                    outer._max_before_reset_bytes, torch.cuda.max_memory_allocated(self.device)
+                )
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._baseline_bytes = torch.cuda.memory_allocated(self.device)
+        self._max_before_reset_bytes = self._baseline_bytes
+        PeakMeter._cuda_active.append(self)
+
+    def _exit_cuda(self) -> None:
+        torch.cuda.synchronize(self.device)
+        PeakMeter._cuda_active.remove(self)
+        max_bytes = max(self._max_before_reset_bytes, torch.cuda.max_memory_allocated(self.device))
+        self.peak_bytes = max_bytes - self._baseline_bytes
+        self.end_bytes = torch.cuda.memory_allocated(self.device) - self._baseline_bytes
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> tuple[Any, int]:
+    """Run ``fn()`` under a :class:`PeakMeter`; return its result and the peak rise in bytes."""
+    with PeakMeter(device) as meter:
+        result = fn()
+    return result, meter.peak_bytes
+
+
+def measure_peak_profiler(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn()`` under the profiler; return its result and the CPU allocator's peak rise.
+
+    Reads the allocator's own alloc/free reports (``profile_memory=True``), so it also sees
+    code a dispatch mode cannot, such as torch.compile'd graphs (DESIGN.md, "Measuring"). In
+    eager runs it agrees with :class:`PeakMeter` to the byte, plus any kernel scratch buffers.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    # prof.events() merges some "[memory]" instants away; the raw kineto events keep them all.
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    live_bytes = peak_bytes = 0
+    for event in events:
+        live_bytes += event.nbytes()
+        peak_bytes = max(peak_bytes, live_bytes)
+    return result, peak_bytes

@@ -1,0 +1,9 @@
+"""remat_plugin: make PyTorch training fit a memory budget by planned rematerialization."""
+from .api import RematModule, rematerialize
+from .errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, RematError
+from .plan import Plan
+
+__all__ = [
+    "rematerialize", "RematModule", "Plan",
+    "RematError", "InfeasibleBudgetError", "CaptureError", "BudgetFormatError",
+]

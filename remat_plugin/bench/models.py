@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BenchModel", "MODELS", "build", "gpt2_tiny", "mlp_chain", "resnet_tiny"]
+__all__ = ["MODELS", "BenchModel", "build", "gpt2_tiny", "mlp_chain", "resnet_tiny"]
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -187,7 +187,9 @@ class ResNetTiny(nn.Module):
 
     def __init__(self, n_classes: int = 10, widths: tuple[int, ...] = (16, 32, 64, 64)) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
         blocks, in_channels = [], widths[0]
         for i, out_channels in enumerate(widths):
             blocks.append(BasicBlock(in_channels, out_channels, stride=1 if i == 0 else 2))

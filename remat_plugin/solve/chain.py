@@ -38,16 +38,17 @@ NOTE [vectorisation]
     ``E_s[s'][w] = C(s, s'-1, w + pg(<s') - δ_{s'})`` turns case (2)'s second term into
     one slice at offset ``δ_{t+1} - pg(<t+1)`` for all ``s'`` at once.  Indices above
     ``M`` read ``C(.., M)``: ``C`` falls in ``m``, so this is conservative (and such
-    states are not reachable: free memory never exceeds ``M``).
+    states are not reachable: free memory never exceeds ``M``).  No argmin table is
+    kept: the reconstruction re-evaluates only the states it visits, from ``D``, with the
+    same float operations, which is cheaper than an argmin over every ``(s, t, m)``.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from remat_plugin.simulate import InvalidScheduleError
 
@@ -224,7 +225,6 @@ def _slot_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -
             return n_slots + 1
         return -(-int(size) * n_slots // int(budget_bytes))
 
-    n = len(blocks)
     x = np.array([0] + [up(b.output_bytes) for b in blocks], dtype=np.int64)
     delta = np.array([up(b.grad_input_bytes) for b in blocks] + [0], dtype=np.int64)
     pg = [up(b.param_grad_bytes) for b in blocks]
@@ -262,60 +262,93 @@ def _chain_none_peaks(c: _SlotChain, s: int, hi: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- DP
 
 
-def _solve_tables(c: _SlotChain, n: int, m_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """Fill the rk-Rotor tables; return ``(C(0, n-1, ·), choice)``.
+def _case1_at(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np.ndarray) -> np.ndarray:
+    """Case (1) times, one row per option of block ``s``, at free-slot counts ``m``.
 
-    ``choice[s, t, m]`` is the option for case (1), ``n_opts_max + s'`` for case (2), -1 if infeasible.
+    ``m - kept`` is clamped at 0 only where the threshold (≥ ``x_{s+1} + kept``) masks it anyway.
+    """
+    thresholds = _option_thresholds(c, n, s, t)
+    cand = c.fb_ms[s][:, None] + np.zeros(len(m))
+    if s < t:
+        cand = cand + d_tables[t, s + 1][np.maximum(m[None, :] - c.kept[s][:, None], 0)]
+    return np.where(m[None, :] >= thresholds[:, None], cand, _INF)
+
+
+def _none_penalty(c: _SlotChain, s: int, n: int, m: np.ndarray) -> np.ndarray:
+    """Case (2)'s recompute time of ``s..s'-1`` where the ``fwd_none`` chain fits in ``m``, else inf.
+
+    One row per ``s' = s+1..n-1``; independent of ``t``, so built once per ``s``.
+    """
+    peaks = _chain_none_peaks(c, s, n)[:n - 1 - s]
+    recompute_ms = c.none_ms_prefix[s + 1:n] - c.none_ms_prefix[s]
+    return np.where(m[None, :] >= peaks[:, None], recompute_ms[:, None], _INF)
+
+
+def _solve_tables(c: _SlotChain, n: int, m_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fill the rk-Rotor tables; return ``(C(0, n-1, ·), D)`` with ``D[t, s', m] = C(s', t, m - x_{s'})``.
+
+    No argmin is stored: :func:`_reconstruct` re-evaluates the few states it visits from ``D``.
     """
     width = m_slots + 1
     m_range = np.arange(width)
-    n_opts_max = max(len(k) for k in c.kept)
-    choice = np.full((n, n, width), -1, dtype=np.int32)
-    shift_t = c.delta[1:] - c.pg_prefix[1:]  # [t] = δ_{t+1} - pg(<t+1): case (2)'s shift, common to all s'
-    w_lo, w_hi = int(min(shift_t.min(), 0)), m_slots + int(max(shift_t.max(), 0))
-    w_range = np.arange(w_lo, w_hi + 1)
-    d_tables = np.empty((n, n, width))  # [t, s', m] = C(s', t, m - x_{s'})
-    inf_pad = np.full(width, _INF)
-    root = inf_pad
+    w_lo, w_range = _case2_shift_range(c, m_slots)
+    d_tables = np.empty((n, n, width))
+    root = np.full(width, _INF)
+    # E_s[s'][w] reads C(s, s'-1, ·) at w + pg(<s') - δ_{s'}: index 0 of [inf, C...] below 0, C(M) above M
+    e_gather = [np.clip(w_range + c.pg_prefix[j] - c.delta[j] + 1, 0, width) for j in range(n)]
     for s in range(n - 1, -1, -1):
         e_tables = np.empty((n, len(w_range)))  # [s', w] = C(s, s'-1, w + pg(<s') - δ_{s'})
-        none_peaks = _chain_none_peaks(c, s, n)
+        penalty = _none_penalty(c, s, n, m_range)
         for t in range(s, n):
-            # case (1): block s once, with option o
-            thresholds = _option_thresholds(c, n, s, t)
-            cand1 = c.fb_ms[s][:, None] + np.zeros(width)
+            best = _case1_at(c, n, d_tables, s, t, m_range).min(axis=0)
             if s < t:
-                padded = np.concatenate([inf_pad, d_tables[t, s + 1]])
-                starts = width - np.minimum(c.kept[s], width)
-                cand1 = cand1 + sliding_window_view(padded, width)[starts]
-            cand1[m_range[None, :] < thresholds[:, None]] = _INF
-            best_o = np.argmin(cand1, axis=0)
-            best = cand1[best_o, m_range]
-            best_choice = np.where(np.isfinite(best), best_o, -1).astype(np.int32)
-            if s < t:
-                # case (2): fwd_none on s..s'-1, checkpoint x_{s'}, for all s' = s+1..t at once
-                off = int(shift_t[t]) - w_lo
-                cand2 = ((c.none_ms_prefix[s + 1:t + 1] - c.none_ms_prefix[s])[:, None]
-                         + d_tables[t, s + 1:t + 1] + e_tables[s + 1:t + 1, off:off + width])
-                cand2[m_range[None, :] < none_peaks[:t - s, None]] = _INF
-                best_k = np.argmin(cand2, axis=0)
-                best2 = cand2[best_k, m_range]
-                better = best2 < best
-                best = np.where(better, best2, best)
-                best_choice = np.where(better, n_opts_max + s + 1 + best_k, best_choice).astype(np.int32)
-            choice[s, t] = best_choice
-            d_tables[t, s] = np.concatenate([inf_pad[:min(c.x[s], width)], best[:max(width - c.x[s], 0)]])
+                off = int(c.delta[t + 1] - c.pg_prefix[t + 1]) - w_lo
+                cand2 = d_tables[t, s + 1:t + 1] + e_tables[s + 1:t + 1, off:off + width]
+                cand2 += penalty[:t - s]
+                best = np.minimum(best, cand2.min(axis=0))
+            d_tables[t, s, :min(c.x[s], width)] = _INF
+            d_tables[t, s, c.x[s]:] = best[:max(width - c.x[s], 0)]
             if t + 1 < n:
-                idx = w_range + c.pg_prefix[t + 1] - c.delta[t + 1]
-                e_tables[t + 1] = np.where(idx < 0, _INF, best[np.clip(idx, 0, m_slots)])
+                e_tables[t + 1] = np.concatenate([[_INF], best])[e_gather[t + 1]]
             if s == 0 and t == n - 1:
                 root = best
-    return root, choice
+    return root, d_tables
 
 
-def _reconstruct(c: _SlotChain, n: int, m_slots: int, choice: np.ndarray) -> list[ChainAction]:
-    """Turn argmin choices into actions with an explicit stack (no recursion limit at 100+ blocks)."""
-    n_opts_max = max(len(k) for k in c.kept)
+def _case2_shift_range(c: _SlotChain, m_slots: int) -> tuple[int, np.ndarray]:
+    """Range of ``w = m + δ_{t+1} - pg(<t+1)`` over all ``m`` and ``t``: the index set of ``E_s``."""
+    shift_t = c.delta[1:] - c.pg_prefix[1:]
+    w_lo, w_hi = int(min(shift_t.min(), 0)), m_slots + int(max(shift_t.max(), 0))
+    return w_lo, np.arange(w_lo, w_hi + 1)
+
+
+def _table(d_tables: np.ndarray, c: _SlotChain, s: int, t: int, m: int) -> float:
+    """``C(s, t, m)`` read back from ``D``; valid for states with ``x_s`` alive (``m ≤ M - x_s``)."""
+    assert m + c.x[s] < d_tables.shape[2], f"chain DP: state C({s}, {t}, {m}) is not reachable"
+    return float(d_tables[t, s, m + c.x[s]]) if m >= 0 else _INF
+
+
+def _choose(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: int) -> tuple[int, int]:
+    """The DP's choice at a state, recomputed with the same float operations: (case, option or s')."""
+    m_arr = np.array([m])
+    cand1 = _case1_at(c, n, d_tables, s, t, m_arr)[:, 0]
+    best1 = float(cand1.min())
+    if s < t:
+        m_slots = d_tables.shape[2] - 1
+        s_ckpt = np.arange(s + 1, t + 1)
+        m_back = m + c.delta[t + 1] - c.pg_prefix[t + 1] + c.pg_prefix[s_ckpt] - c.delta[s_ckpt]
+        back = np.array([_INF if mb < 0 else _table(d_tables, c, s, int(sc) - 1, min(int(mb), m_slots))
+                         for sc, mb in zip(s_ckpt, m_back)])
+        cand2 = d_tables[t, s + 1:t + 1, m] + back
+        cand2 += _none_penalty(c, s, n, m_arr)[:t - s, 0]
+        if float(cand2.min()) < best1:
+            return 2, s + 1 + int(np.argmin(cand2))
+    assert np.isfinite(best1), f"chain DP: reconstruct reached infeasible state C({s}, {t}, {m})"
+    return 1, int(np.argmin(cand1))
+
+
+def _reconstruct(c: _SlotChain, n: int, m_slots: int, d_tables: np.ndarray) -> list[ChainAction]:
+    """Turn the tables into actions with an explicit stack (no recursion limit at 100+ blocks)."""
     actions: list[ChainAction] = []
     stack: list[tuple[int, int, int] | ChainAction] = [(0, n - 1, m_slots)]
     while stack:
@@ -324,19 +357,17 @@ def _reconstruct(c: _SlotChain, n: int, m_slots: int, choice: np.ndarray) -> lis
             actions.append(item)
             continue
         s, t, m = item
-        ch = int(choice[s, t, m])
-        assert ch >= 0, f"chain DP: reconstruct reached infeasible state C({s}, {t}, {m})"
-        if ch < n_opts_max:
-            actions.append(ChainAction("fwd", s, ch))
-            stack.append(ChainAction("bwd", s, ch))
+        case, pick = _choose(c, n, d_tables, s, t, m)
+        if case == 1:
+            actions.append(ChainAction("fwd", s, pick))
+            stack.append(ChainAction("bwd", s, pick))
             if s < t:
-                stack.append((s + 1, t, m - int(c.x[s + 1] + c.kept[s][ch])))
+                stack.append((s + 1, t, m - int(c.x[s + 1] + c.kept[s][pick])))
         else:
-            s_ckpt = ch - n_opts_max
-            actions.extend(ChainAction("fwd_none", j) for j in range(s, s_ckpt))
-            m_back = m + int(c.delta[t + 1] - c.delta[s_ckpt] - c.pg_prefix[t + 1] + c.pg_prefix[s_ckpt])
-            stack.append((s, s_ckpt - 1, min(m_back, m_slots)))
-            stack.append((s_ckpt, t, m - int(c.x[s_ckpt])))
+            actions.extend(ChainAction("fwd_none", j) for j in range(s, pick))
+            m_back = m + int(c.delta[t + 1] - c.delta[pick] - c.pg_prefix[t + 1] + c.pg_prefix[pick])
+            stack.append((s, pick - 1, min(m_back, m_slots)))
+            stack.append((pick, t, m - int(c.x[pick])))
     return actions
 
 
@@ -360,11 +391,13 @@ def solve_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int = 
     c = _slot_chain(blocks, budget_bytes, n_slots)
     if _always_made_slots(c) > n_slots:
         return None
-    root, choice = _solve_tables(c, n, n_slots)
+    root, d_tables = _solve_tables(c, n, n_slots)
     if not np.isfinite(root[n_slots]):
         return None
-    actions = _reconstruct(c, n, n_slots, choice)
+    actions = _reconstruct(c, n, n_slots, d_tables)
     peak_bytes, time_ms = replay(blocks, actions)
+    logger.debug("chain DP: %d blocks, budget %d B in %d slots: %.3f ms, peak %d B, %d actions",
+                 n, budget_bytes, n_slots, time_ms, peak_bytes, len(actions))
     assert peak_bytes <= budget_bytes, f"chain DP: replayed peak {peak_bytes} B exceeds budget {budget_bytes} B"
     assert abs(time_ms - root[n_slots]) <= 1e-6 * max(1.0, time_ms), (
         f"chain DP: replayed time {time_ms} ms differs from the table's {root[n_slots]} ms")

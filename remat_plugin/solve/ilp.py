@@ -86,8 +86,8 @@ class _BlockIlp:
         self.S: list[dict[str, pulp.LpVariable]] = []
         self.FREE: list[dict[str, dict[int, pulp.LpVariable]]] = []
         self.recompute_ms = pulp.LpAffineExpression()
-        self.peak = pulp.LpVariable("peak_units", lowBound=0)
-        self.kept = pulp.LpVariable("kept_units", lowBound=0)
+        self.peak = self.prob.add_variable("peak_units", lowBound=0)
+        self.kept = self.prob.add_variable("kept_units", lowBound=0)
 
     # ----------------------------------------------------------------- build
     @classmethod
@@ -98,6 +98,7 @@ class _BlockIlp:
         ilp._add_fwd_dep()
         ilp._add_bwd_dep()
         ilp._add_retain()
+        # ilp._add_keep_useful()
         ilp._add_free()
         ilp._add_mem_bwd()
         ilp._add_mem_fwd()
@@ -131,8 +132,8 @@ class _BlockIlp:
 
     def _add_variables(self) -> None:
         for t in range(len(self.bwd)):
-            self.R.append({j: pulp.LpVariable(f"R_{t}_{j}", cat=pulp.LpBinary) for j in sorted(self.useful[t])})
-            self.S.append({v: pulp.LpVariable(f"S_{t}_{k}", cat=pulp.LpBinary) for k, v in enumerate(self.tracked) if v in self.readable[t]})
+            self.R.append({j: self.prob.add_variable(f"R_{t}_{j}", cat=pulp.LpBinary) for j in sorted(self.useful[t])})
+            self.S.append({v: self.prob.add_variable(f"S_{t}_{k}", cat=pulp.LpBinary) for k, v in enumerate(self.tracked) if v in self.readable[t]})
             self.recompute_ms += pulp.lpSum(self.fwd[j].time_ms * r for j, r in self.R[t].items())
 
     def _r(self, t: int, j: int) -> pulp.LpVariable | int:
@@ -163,6 +164,15 @@ class _BlockIlp:
             for v, s_next in self.S[t + 1].items():
                 self.prob += s_next <= self._s(t, v) + self._r(t, self.producer[v]), f"retain_{t}_{self.tracked.index(v)}"
 
+    def _add_keep_useful(self) -> None:
+        """keep_useful: a copy is alive at stage t only if stage t reads it or stage t+1 keeps it (a cut: S only costs memory)."""
+        F = len(self.fwd)
+        for t, S_t in enumerate(self.S):
+            for v, s in S_t.items():
+                reads = [self._x(t, c) for c in self._candidates(t, v) if c != self.producer[v]]
+                self.prob += s <= pulp.lpSum(reads) + self._s(t + 1, v), f"keep_useful_{t}_{self.tracked.index(v)}"
+        del F
+
     def _candidates(self, t: int, v: str) -> list[int]:
         """Positions of stage t after which v's copy may die: its producer and its readers."""
         c = [j for j in self.R[t] if j == self.producer[v] or v in self.fwd[j].inputs]
@@ -181,7 +191,7 @@ class _BlockIlp:
                     continue
                 self.FREE[t][v] = {}
                 for i, c in enumerate(cands):
-                    f = self.FREE[t][v][c] = pulp.LpVariable(f"FREE_{t}_{k}_{c}", lowBound=0, upBound=1)
+                    f = self.FREE[t][v][c] = self.prob.add_variable(f"FREE_{t}_{k}_{c}", lowBound=0, upBound=1)
                     if c != len(self.fwd):
                         self.prob += f <= self._x(t, c), f"free_runs_{t}_{k}_{c}"
                     if isinstance(self._s(t + 1, v), pulp.LpVariable):
@@ -194,12 +204,11 @@ class _BlockIlp:
         pb, T = self.problem, len(self.bwd)
         const = pb.base_bytes + sum(pb.value(v).size_bytes for v in pb.live_out if v in self.producer)
         between, during = [const] * T, [const] * T
-        bwd_pos = {o.name: t for t, o in enumerate(self.bwd)}
         for s, op in enumerate(self.bwd):
             for w in op.outputs:
                 readers = [t for t, o in enumerate(self.bwd) if w in o.inputs]
                 death = T - 1 if w in pb.live_out else max(readers, default=s)
-                assert all(r > s for r in readers), f"backward value {w!r} read before op {op.name!r} (position {bwd_pos[op.name]}) makes it"
+                assert all(r > s for r in readers), f"backward value {w!r} read before op {op.name!r} (position {s}) makes it"
                 for t in range(s, death + 1):
                     during[t] += pb.value(w).size_bytes
                     if t > s:
@@ -214,7 +223,7 @@ class _BlockIlp:
             prev: pulp.LpAffineExpression = pulp.lpSum(self.size[v] * s for v, s in self.S[t].items())
             prev_c = None
             for c in [*self.R[t], F]:
-                u = pulp.LpVariable(f"U_{t}_{c}", lowBound=0)
+                u = self.prob.add_variable(f"U_{t}_{c}", lowBound=0)
                 freed = [self.size[v] * fc[prev_c] for v, fc in self.FREE[t].items() if prev_c in fc]
                 made = sum(self.size.get(v, 0) for v in self.fwd[c].outputs) if c < F else 0
                 self.prob += u == prev - pulp.lpSum(freed) + made * self._x(t, c), f"mem_bwd_flow_{t}_{c}"
@@ -245,9 +254,14 @@ class _BlockIlp:
     # ----------------------------------------------------------------- solve
     def set_budgets(self, peak_budget_bytes: float, kept_budget_bytes: float | None) -> None:
         """Change only the budget rows' right-hand sides (the model is not rebuilt)."""
-        self.prob.constraints["peak_budget"].changeRHS(peak_budget_bytes / self.unit_bytes)
+        self._row("peak_budget").changeRHS(peak_budget_bytes / self.unit_bytes)
         kept_cap = sum(self.size.values()) + 1 if kept_budget_bytes is None else kept_budget_bytes / self.unit_bytes
-        self.prob.constraints["kept_budget"].changeRHS(kept_cap)
+        self._row("kept_budget").changeRHS(kept_cap)
+
+    def _row(self, name: str) -> pulp.LpConstraint:
+        row = self.prob.get_constraint_by_name(name)
+        assert row is not None, name
+        return row
 
     def schedule_from_values(self) -> Schedule:
         """The schedule R encodes: each stage's recomputations in forward order, then its backward op."""

@@ -1,0 +1,258 @@
+"""Planning: blocks → block menus (ILP) → chain DP → one schedule, checked by the simulator.
+
+The chain DP works on rounded, block-local sizes; the schedule it yields is always
+re-simulated on the whole graph, and the DP budget is lowered until the simulated peak
+fits the user's budget.  So a plan never claims to fit when the simulator says it
+does not, and an infeasible budget reports the smallest budget we could reach.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from .blocks import Block, forward_only_peak, make_blocks, rename_schedule
+from .errors import InfeasibleBudgetError, human_bytes
+from .problem import Problem, Schedule
+from .simulate import Simulation, simulate
+from .solve.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
+from .solve.ilp import BlockOption, block_menu
+
+log = logging.getLogger(__name__)
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    index: int
+    n_fwd_ops: int
+    mode: str  # "keep" (no recomputation), "recompute" (an ILP option), "checkpoint" (F_none, recomputed from a stored input)
+    kept_bytes: int
+    recompute_ms: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan as plain data: what was decided and what it is predicted to cost."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_time_ms: float
+    baseline_peak_bytes: int
+    baseline_time_ms: float
+    min_feasible_bytes: int
+    blocks: tuple[BlockChoice, ...]
+    n_unique_blocks: int
+    planning_s: float = 0.0
+    signature: str = ""
+    fallback: str | None = None  # why a module-level plan was used instead, if it was
+    schema_version: int = PLAN_SCHEMA_VERSION
+    schedule: tuple[str, ...] = field(default=(), repr=False)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted step time over the unmodified step time (1.0 = no recomputation)."""
+        return self.predicted_time_ms / self.baseline_time_ms if self.baseline_time_ms else 1.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        data = json.loads(text)
+        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
+        data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
+        data["schedule"] = tuple(data["schedule"])
+        return Plan(**data)
+
+    def table(self) -> str:
+        lines = [
+            f"remat plan  budget {human_bytes(self.budget_bytes)}  predicted peak {human_bytes(self.predicted_peak_bytes)}"
+            f" (unmodified {human_bytes(self.baseline_peak_bytes)}, smallest feasible {human_bytes(self.min_feasible_bytes)})",
+            f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)} ({self.n_unique_blocks} unique)"
+            f"  planned in {self.planning_s:.1f} s" + (f"  FALLBACK: {self.fallback}" if self.fallback else ""),
+            f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recompute ms':>12}",
+        ]
+        for b in self.blocks:
+            lines.append(f"{b.index:>5} {b.n_fwd_ops:>7} {b.mode:>10} {human_bytes(b.kept_bytes):>12} {b.recompute_ms:>12.3f}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@dataclass
+class Planner:
+    """Holds the per-problem work (blocks, menus) so several budgets can be tried cheaply."""
+
+    problem: Problem
+    constants: set[str]
+    ilp_time_limit_s: float = 5.0
+    n_slots: int = 500
+    blocks: list[Block] = field(default_factory=list)
+    menus: list[tuple[BlockOption, ...]] = field(default_factory=list)
+    chain: list[ChainBlock] = field(default_factory=list)
+    n_unique: int = 0
+
+    def prepare(self, progress=None) -> None:
+        self.blocks = make_blocks(self.problem, self.constants)
+        solved: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] = {}
+        unique = {b.key for b in self.blocks}
+        self.n_unique = len(unique)
+        for b in self.blocks:
+            if b.key not in solved:
+                solved[b.key] = (b, block_menu(b.problem, time_limit_s=self.ilp_time_limit_s))
+                if progress is not None:
+                    progress(len(solved), len(unique))
+            src, menu = solved[b.key]
+            if src is not b:
+                menu = tuple(
+                    BlockOption(o.kept_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes, o.fwd_ms, o.bwd_ms,
+                                rename_schedule(o.schedule, src.problem, b.problem))
+                    for o in menu
+                )
+            self.menus.append(menu)
+        self.chain = [self._chain_block(b, m) for b, m in zip(self.blocks, self.menus)]
+
+    def _chain_block(self, b: Block, menu: tuple[BlockOption, ...]) -> ChainBlock:
+        size = (lambda v: self.problem.value(v).size_bytes if v else 0)
+        fwd_ms = sum(self.problem.op(n).time_ms for n in b.fwd_ops)
+        param_grads = sum(
+            self.problem.value(v).size_bytes for n in b.bwd_ops for v in self.problem.op(n).outputs
+            if v in self.problem.live_out
+        )
+        return ChainBlock(
+            input_bytes=size(b.input_value),
+            output_bytes=size(b.output_value),
+            grad_input_bytes=size(b.input_value),
+            param_grad_bytes=param_grads,
+            none_fwd_ms=fwd_ms,
+            none_fwd_peak_bytes=forward_only_peak(b.problem, b.output_value),
+            options=tuple(
+                ChainOption(o.kept_bytes, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - o.kept_bytes), o.fwd_ms, o.bwd_ms)
+                for o in menu
+            ),
+        )
+
+    def assemble(self, chain_plan: ChainPlan) -> Schedule:
+        """The whole-graph backward sequence realising a chain plan (the first forward pass is implicit)."""
+        actions = list(chain_plan.actions)
+        first_bwd = next(i for i, a in enumerate(actions) if a.kind == "bwd")
+        seq: list[str] = []
+        for a in actions[first_bwd:]:
+            b = self.blocks[a.block]
+            if a.kind == "bwd":
+                seq.extend(self.menus[a.block][a.option].schedule.bwd_sequence)
+            else:
+                wanted = {b.output_value} if b.output_value else set()
+                if a.kind == "fwd":
+                    wanted |= _kept_reads(b.problem, self.menus[a.block][a.option].schedule)
+                seq.extend(_ancestors_in_order(b.problem, wanted))
+        return Schedule(tuple(seq))
+
+    def try_budget(self, dp_budget: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
+        cp = solve_chain(self.chain, dp_budget, self.n_slots)
+        if cp is None:
+            return None
+        sched = self.assemble(cp)
+        return sched, simulate(self.problem, sched), cp
+
+    def min_dp_budget(self) -> int:
+        return min_feasible_budget(self.chain, self.n_slots)
+
+
+def _kept_reads(problem: Problem, schedule: Schedule) -> set[str]:
+    made: set[str] = set()
+    kept: set[str] = set()
+    for name in schedule.bwd_sequence:
+        op = problem.op(name)
+        kept.update(v for v in op.inputs if v not in made)
+        made.update(op.outputs)
+    fwd_made = {v for o in problem.fwd_ops for v in o.outputs}
+    return kept & fwd_made
+
+
+def _ancestors_in_order(problem: Problem, wanted: set[str]) -> list[str]:
+    """Forward ops (recomputable, in order) needed to make ``wanted`` from the block's inputs."""
+    need = set(wanted)
+    chosen: list[str] = []
+    for op in reversed(problem.fwd_ops):
+        if need & set(op.outputs) and op.recomputable:
+            chosen.append(op.name)
+            need.update(op.inputs)
+    return list(reversed(chosen))
+
+
+def _block_choices(planner: Planner, cp: ChainPlan, schedule: Schedule) -> tuple[BlockChoice, ...]:
+    first_pass: dict[int, str] = {}
+    bwd_option: dict[int, int] = {}
+    for a in cp.actions:
+        first_pass.setdefault(a.block, a.kind)
+        if a.kind == "bwd":
+            bwd_option[a.block] = a.option
+    fwd_names = {n for o in planner.problem.fwd_ops for n in [o.name]}
+    recomputed: dict[str, float] = {}
+    for n in schedule.bwd_sequence:
+        if n in fwd_names:
+            recomputed[n] = recomputed.get(n, 0.0) + planner.problem.op(n).time_ms
+    choices = []
+    for b in planner.blocks:
+        ms = sum(recomputed.get(n, 0.0) for n in b.fwd_ops)
+        opt = planner.menus[b.index][bwd_option.get(b.index, 0)]
+        mode = "checkpoint" if first_pass.get(b.index) == "fwd_none" else ("keep" if ms == 0 else "recompute")
+        choices.append(BlockChoice(b.index, len(b.fwd_ops), mode, opt.kept_bytes, ms))
+    return tuple(choices)
+
+
+def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 5.0,
+              progress=None) -> tuple[Plan, Schedule]:
+    """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
+    t0 = time.perf_counter()
+    keep_all = Schedule.keep_all(problem)
+    base = simulate(problem, keep_all)
+    planner = Planner(problem, constants, ilp_time_limit_s)
+    planner.prepare(progress)
+    dp_min = planner.min_dp_budget()
+    floor = planner.try_budget(dp_min)
+    min_feasible = min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes
+    chosen: tuple[Schedule, Simulation, ChainPlan | None] | None = None
+    if base.peak_bytes <= budget_bytes:
+        chosen = (keep_all, base, None)
+    else:
+        dp_budget = budget_bytes
+        for _ in range(12):
+            found = planner.try_budget(dp_budget)
+            if found is None:
+                break
+            if found[1].peak_bytes <= budget_bytes:
+                chosen = found
+                break
+            dp_budget -= max(found[1].peak_bytes - budget_bytes, budget_bytes // 100)
+        if chosen is None and floor is not None and floor[1].peak_bytes <= budget_bytes:
+            chosen = floor
+    if chosen is None:
+        raise InfeasibleBudgetError(budget_bytes, min_feasible)
+    schedule, sim, cp = chosen
+    blocks = (
+        _block_choices(planner, cp, schedule) if cp is not None
+        else tuple(BlockChoice(b.index, len(b.fwd_ops), "keep", 0, 0.0) for b in planner.blocks)
+    )
+    plan = Plan(
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_time_ms=sim.time_ms,
+        baseline_peak_bytes=base.peak_bytes,
+        baseline_time_ms=base.time_ms,
+        min_feasible_bytes=min_feasible,
+        blocks=blocks,
+        n_unique_blocks=planner.n_unique,
+        planning_s=time.perf_counter() - t0,
+        schedule=schedule.bwd_sequence,
+    )
+    log.info("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s, overhead %.3fx",
+             len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(budget_bytes),
+             plan.predicted_overhead)
+    return plan, schedule

@@ -35,7 +35,7 @@ class RematModule(nn.Module):
     keys are exactly the original's, and the Parameter objects are the same objects.
     """
 
-    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 5.0):
+    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 1.0):
         super().__init__()
         object.__setattr__(self, "original", original)
         self.budget = budget
@@ -124,7 +124,7 @@ def rematerialize(
     kwargs: dict | None = None,
     budget: int | str = "80%",
     *,
-    ilp_time_limit_s: float = 5.0,
+    ilp_time_limit_s: float = 1.0,
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 

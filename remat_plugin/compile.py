@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch._functorch.aot_autograd import aot_function, make_boxed_func
+from torch._functorch.aot_autograd import aot_function
 
 from .errors import CaptureError
 from .joint import JointGraph
@@ -110,7 +110,16 @@ def build_step(
         return partition(JointGraph(joint_gm, num_fwd_outputs, device.type))
 
     def boxed(gm_, _example):
-        return make_boxed_func(gm_)
+        # Boxed calling convention: the program receives the argument list and clears it,
+        # so each saved tensor dies after its last use instead of at the end of backward.
+        gm_.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        gm_.recompile()
+
+        def run(args: list):
+            return gm_(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
 
     step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition_fn)
     return step

@@ -90,7 +90,7 @@ class Planner:
 
     problem: Problem
     constants: set[str]
-    ilp_time_limit_s: float = 5.0
+    ilp_time_limit_s: float = 1.0
     n_slots: int = 500
     blocks: list[Block] = field(default_factory=list)
     menus: list[tuple[BlockOption, ...]] = field(default_factory=list)
@@ -104,7 +104,7 @@ class Planner:
         self.n_unique = len(unique)
         for b in self.blocks:
             if b.key not in solved:
-                solved[b.key] = (b, block_menu(b.problem, time_limit_s=self.ilp_time_limit_s))
+                solved[b.key] = (b, block_menu(b.problem, n_peak=4, n_kept=4, time_limit_s=self.ilp_time_limit_s))
                 if progress is not None:
                     progress(len(solved), len(unique))
             src, menu = solved[b.key]
@@ -207,7 +207,7 @@ def _block_choices(planner: Planner, cp: ChainPlan, schedule: Schedule) -> tuple
     return tuple(choices)
 
 
-def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 5.0,
+def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 1.0,
               progress=None) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
     t0 = time.perf_counter()

@@ -1,4 +1,5 @@
 """Block ILP: solver claims checked against the simulator and against brute force on tiny graphs."""
+
 from __future__ import annotations
 
 import itertools
@@ -13,7 +14,9 @@ from remat_plugin.solve.greedy import UnrecomputableValueError, recompute_on_dem
 from remat_plugin.solve.ilp import BlockOption, block_menu, solve_schedule
 
 
-def _problem(fwd: list[Op], bwd: list[Op], sizes: dict[str, int], live_out: frozenset[str] = frozenset(), base: int = 0) -> Problem:
+def _problem(
+    fwd: list[Op], bwd: list[Op], sizes: dict[str, int], live_out: frozenset[str] = frozenset(), base: int = 0
+) -> Problem:
     producer = {v: o.name for o in fwd + bwd for v in o.outputs}
     values = tuple(Value(v, sizes[v], producer[v]) for v in producer)
     return Problem(tuple(fwd + bwd), values, live_out, base)
@@ -23,10 +26,10 @@ def chain(n: int, sizes: list[int] | None = None, times: list[float] | None = No
     """f_i: a_{i-1} -> a_i; b_i: (a_{i-1}, a_i, g_{i+1}) -> g_i, backward mirrored."""
     sizes = sizes or [10 * (1 + i % 3) for i in range(n)]
     times = times or [1.0 + i % 2 for i in range(n)]
-    fwd = [Op(f"f{i}", True, (f"a{i-1}",) if i else (), (f"a{i}",), times[i]) for i in range(n)]
+    fwd = [Op(f"f{i}", True, (f"a{i - 1}",) if i else (), (f"a{i}",), times[i]) for i in range(n)]
     bwd = []
     for i in reversed(range(n)):
-        ins = ((f"a{i-1}",) if i else ()) + (f"a{i}",) + ((f"g{i+1}",) if i < n - 1 else ())
+        ins = ((f"a{i - 1}",) if i else ()) + (f"a{i}",) + ((f"g{i + 1}",) if i < n - 1 else ())
         bwd.append(Op(f"b{i}", False, ins, (f"g{i}",), 2 * times[i]))
     s = {f"a{i}": sizes[i] for i in range(n)} | {f"g{i}": 2 for i in range(n)}
     return _problem(fwd, bwd, s)
@@ -66,7 +69,9 @@ def brute_force_frontier(problem: Problem) -> list[tuple[int, float]]:
     stage_subsets = []
     useful: set[str] = set()
     for b in reversed(problem.bwd_ops):
-        useful |= {a for v in b.inputs if problem.value(v).producer in ancestors for a in ancestors[problem.value(v).producer]}
+        useful |= {
+            a for v in b.inputs if problem.value(v).producer in ancestors for a in ancestors[problem.value(v).producer]
+        }
         names = [o.name for o in fwd if o.name in useful and o.recomputable]
         stage_subsets.append([c for k in range(len(names) + 1) for c in itertools.combinations(names, k)])
     frontier = []
@@ -121,13 +126,16 @@ def test_kept_budget_is_respected() -> None:
     assert s is not None and simulate(p, s).kept_bytes <= 30
 
 
-@pytest.mark.parametrize("make", [lambda: chain(3), diamond, lambda: chain(3, sizes=[30, 10, 20], times=[1.0, 5.0, 1.0])])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: chain(3), diamond, with_unrecomputable, lambda: chain(3, sizes=[30, 10, 20], times=[1.0, 5.0, 1.0])],
+)
 def test_matches_brute_force(make) -> None:
     """On tiny problems the ILP's recompute time equals exhaustive search at every budget."""
     p = make()
     hi = simulate(p, Schedule.keep_all(p)).peak_bytes
     frontier = brute_force_frontier(p)
-    for peak in range(hi, p.base_bytes, -2):
+    for peak in range(hi, p.base_bytes, -1):
         expected = min((ms for pk, ms in frontier if pk <= peak), default=None)
         s = solve_schedule(p, peak, time_limit_s=10)
         if expected is None:
@@ -202,3 +210,31 @@ def test_recompute_on_demand_refuses_unrecomputable() -> None:
         recompute_on_demand(p, frozenset())
     s = recompute_on_demand(p, frozenset({"a1"}))
     assert "f1" not in s.bwd_sequence
+
+
+def test_rounded_relaxation_fallback_fits() -> None:
+    """The LP-relaxation rounding fallback returns only simulator-checked schedules."""
+    from remat_plugin.solve.ilp import _BlockIlp
+
+    p = chain(7)
+    peak = simulate(p, Schedule.keep_all(p)).peak_bytes - 10
+    ilp = _BlockIlp.build(p)
+    ilp.set_budgets(peak, None)
+    found = ilp._round_relaxation(peak, None, time_limit_s=5)
+    assert found is not None
+    assert simulate(p, found[0]).peak_bytes <= peak
+
+
+def test_repeated_solves_reuse_one_model() -> None:
+    """Changing budgets on one model gives the same answers as fresh models (no thread/state pitfalls)."""
+    from remat_plugin.solve.ilp import _BlockIlp
+
+    p = diamond()
+    hi = simulate(p, Schedule.keep_all(p)).peak_bytes
+    ilp = _BlockIlp.build(p)
+    for peak in (hi - 4, hi - 12, hi - 4):
+        reused = ilp.solve(peak, None, 5.0)
+        fresh = solve_schedule(p, peak)
+        assert (reused is None) == (fresh is None)
+        if fresh is not None and reused is not None:
+            assert simulate(p, reused[0]).recompute_ms == pytest.approx(simulate(p, fresh).recompute_ms, rel=0.011)

@@ -6,6 +6,7 @@ needs and that are not yet available.  A copy, once made, stays readable (the
 simulator frees it after its last read), so nothing is recomputed twice.  It is a
 baseline, and the repair step that turns a rounded LP solution into a valid schedule.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence

@@ -42,6 +42,7 @@ Pruning: ``R[t,j]`` exists only for ops whose outputs can reach a backward op â‰
 ``S[t,v]`` only for values some op at stage â‰¥ t may read; missing ones are 0.  Forward
 ops making a ``live_out`` value are not recomputed (the value stays alive anyway).
 """
+
 from __future__ import annotations
 
 import logging
@@ -98,7 +99,6 @@ class _BlockIlp:
         ilp._add_fwd_dep()
         ilp._add_bwd_dep()
         ilp._add_retain()
-        # ilp._add_keep_useful()
         ilp._add_free()
         ilp._add_mem_bwd()
         ilp._add_mem_fwd()
@@ -115,7 +115,11 @@ class _BlockIlp:
         self.pos = {o.name: i for i, o in enumerate(self.fwd)}
         fwd_values = [v for o in self.fwd for v in o.outputs]
         self.tracked = [v for v in fwd_values if v not in pb.live_out]
-        self.unit_bytes = max([pb.value(v).size_bytes for v in pb.live_out | set(fwd_values)] + [o.temp_bytes for o in pb.ops] + [1]) / 1024
+        self.vid = {v: k for k, v in enumerate(self.tracked)}  # short index for variable/row names
+        self.unit_bytes = (
+            max([pb.value(v).size_bytes for v in pb.live_out | set(fwd_values)] + [o.temp_bytes for o in pb.ops] + [1])
+            / 1024
+        )
         self.size = {v: pb.value(v).size_bytes / self.unit_bytes for v in self.tracked}
         self.producer = {v: self.pos[pb.value(v).producer] for v in fwd_values}
         can_rerun = [o.recomputable and not set(o.outputs) & pb.live_out for o in self.fwd]
@@ -128,12 +132,20 @@ class _BlockIlp:
         for t in reversed(range(T)):
             read = {v for v in self.bwd[t].inputs if v in self.size}
             self.useful[t] = self.useful[t + 1] | {j for v in read for j in ancestors[self.producer[v]] if can_rerun[j]}
-            self.readable[t] = self.readable[t + 1] | read | {v for j in self.useful[t] for v in self.fwd[j].inputs if v in self.size}
+            self.readable[t] = (
+                self.readable[t + 1] | read | {v for j in self.useful[t] for v in self.fwd[j].inputs if v in self.size}
+            )
 
     def _add_variables(self) -> None:
         for t in range(len(self.bwd)):
             self.R.append({j: self.prob.add_variable(f"R_{t}_{j}", cat=pulp.LpBinary) for j in sorted(self.useful[t])})
-            self.S.append({v: self.prob.add_variable(f"S_{t}_{k}", cat=pulp.LpBinary) for k, v in enumerate(self.tracked) if v in self.readable[t]})
+            self.S.append(
+                {
+                    v: self.prob.add_variable(f"S_{t}_{k}", cat=pulp.LpBinary)
+                    for k, v in enumerate(self.tracked)
+                    if v in self.readable[t]
+                }
+            )
             self.recompute_ms += pulp.lpSum(self.fwd[j].time_ms * r for j, r in self.R[t].items())
 
     def _r(self, t: int, j: int) -> pulp.LpVariable | int:
@@ -149,29 +161,29 @@ class _BlockIlp:
             for j, r in R_t.items():
                 for v in self.fwd[j].inputs:
                     if v in self.size:
-                        self.prob += r <= self._r(t, self.producer[v]) + self._s(t, v), f"fwd_dep_{t}_{j}_{self.tracked.index(v)}"
+                        self.prob += (
+                            r <= self._r(t, self.producer[v]) + self._s(t, v),
+                            f"fwd_dep_{t}_{j}_{self.vid[v]}",
+                        )
 
     def _add_bwd_dep(self) -> None:
         """bwd_dep: backward op t finds each forward input kept or recomputed in stage t."""
         for t, op in enumerate(self.bwd):
             for v in op.inputs:
                 if v in self.size:
-                    self.prob += self._r(t, self.producer[v]) + self._s(t, v) >= 1, f"bwd_dep_{t}_{self.tracked.index(v)}"
+                    self.prob += (
+                        self._r(t, self.producer[v]) + self._s(t, v) >= 1,
+                        f"bwd_dep_{t}_{self.vid[v]}",
+                    )
 
     def _add_retain(self) -> None:
         """retain: a copy alive at stage t+1 was alive at stage t or made in it."""
         for t in range(len(self.bwd) - 1):
             for v, s_next in self.S[t + 1].items():
-                self.prob += s_next <= self._s(t, v) + self._r(t, self.producer[v]), f"retain_{t}_{self.tracked.index(v)}"
-
-    def _add_keep_useful(self) -> None:
-        """keep_useful: a copy is alive at stage t only if stage t reads it or stage t+1 keeps it (a cut: S only costs memory)."""
-        F = len(self.fwd)
-        for t, S_t in enumerate(self.S):
-            for v, s in S_t.items():
-                reads = [self._x(t, c) for c in self._candidates(t, v) if c != self.producer[v]]
-                self.prob += s <= pulp.lpSum(reads) + self._s(t + 1, v), f"keep_useful_{t}_{self.tracked.index(v)}"
-        del F
+                self.prob += (
+                    s_next <= self._s(t, v) + self._r(t, self.producer[v]),
+                    f"retain_{t}_{self.vid[v]}",
+                )
 
     def _candidates(self, t: int, v: str) -> list[int]:
         """Positions of stage t after which v's copy may die: its producer and its readers."""
@@ -196,7 +208,7 @@ class _BlockIlp:
                         self.prob += f <= self._x(t, c), f"free_runs_{t}_{k}_{c}"
                     if isinstance(self._s(t + 1, v), pulp.LpVariable):
                         self.prob += f <= 1 - self._s(t + 1, v), f"free_unretained_{t}_{k}_{c}"
-                    for later in cands[i + 1:]:
+                    for later in cands[i + 1 :]:
                         self.prob += f <= 1 - self._x(t, later), f"free_last_{t}_{k}_{c}_{later}"
 
     def _bwd_other_bytes(self) -> tuple[list[int], list[int]]:
@@ -208,7 +220,9 @@ class _BlockIlp:
             for w in op.outputs:
                 readers = [t for t, o in enumerate(self.bwd) if w in o.inputs]
                 death = T - 1 if w in pb.live_out else max(readers, default=s)
-                assert all(r > s for r in readers), f"backward value {w!r} read before op {op.name!r} (position {s}) makes it"
+                assert all(r > s for r in readers), (
+                    f"backward value {w!r} read before op {op.name!r} (position {s}) makes it"
+                )
                 for t in range(s, death + 1):
                     during[t] += pb.value(w).size_bytes
                     if t > s:
@@ -228,7 +242,10 @@ class _BlockIlp:
                 made = sum(self.size.get(v, 0) for v in self.fwd[c].outputs) if c < F else 0
                 self.prob += u == prev - pulp.lpSum(freed) + made * self._x(t, c), f"mem_bwd_flow_{t}_{c}"
                 temp, other = (self.fwd[c].temp_bytes, between[t]) if c < F else (self.bwd[t].temp_bytes, during[t])
-                self.prob += u + temp / self.unit_bytes * self._x(t, c) + other / self.unit_bytes <= self.peak, f"mem_bwd_{t}_{c}"
+                self.prob += (
+                    u + temp / self.unit_bytes * self._x(t, c) + other / self.unit_bytes <= self.peak,
+                    f"mem_bwd_{t}_{c}",
+                )
                 prev, prev_c = u, c
 
     def _add_mem_fwd(self) -> None:
@@ -240,10 +257,20 @@ class _BlockIlp:
                 if v in last_read:
                     last_read[v] = i
         for i, op in enumerate(self.fwd):
-            fixed = pb.base_bytes + op.temp_bytes + sum(
-                pb.value(v).size_bytes for v, p in self.producer.items() if p <= i and (i <= last_read[v] or v in pb.live_out)
+            fixed = (
+                pb.base_bytes
+                + op.temp_bytes
+                + sum(
+                    pb.value(v).size_bytes
+                    for v, p in self.producer.items()
+                    if p <= i and (i <= last_read[v] or v in pb.live_out)
+                )
             )
-            kept = [self.size[v] * s for v, s in self.S[0].items() if self.producer[v] <= i and last_read[v] < i] if self.S else []
+            kept = (
+                [self.size[v] * s for v, s in self.S[0].items() if self.producer[v] <= i and last_read[v] < i]
+                if self.S
+                else []
+            )
             self.prob += fixed / self.unit_bytes + pulp.lpSum(kept) <= self.peak, f"mem_fwd_{i}"
 
     def _add_kept(self) -> None:
@@ -281,7 +308,9 @@ class _BlockIlp:
     ) -> tuple[Schedule, Solution] | None:
         """A simulator-checked schedule within the budgets (ILP, else rounded LP relaxation), or None."""
         self.set_budgets(peak_budget_bytes, kept_budget_bytes)
-        self.prob.setObjective({"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective])
+        self.prob.setObjective(
+            {"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective]
+        )
         if warm is not None:
             for var in self.prob.variables():
                 var.varValue = warm.get(var.name, 0.0)
@@ -289,33 +318,47 @@ class _BlockIlp:
             schedule = self.schedule_from_values()
             if _fits(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:
                 return schedule, {v.name: round(v.varValue or 0.0) for v in self.prob.variables()}
-            logger.warning("remat_plugin.solve: ILP solution failed the simulator check (peak budget %d B)", peak_budget_bytes)
+            logger.warning(
+                "remat_plugin.solve: ILP solution failed the simulator check (peak budget %d B)", peak_budget_bytes
+            )
         if self.prob.status == pulp.LpStatusInfeasible:
             return None
         return self._round_relaxation(peak_budget_bytes, kept_budget_bytes, time_limit_s)
 
-    def _round_relaxation(self, peak_budget_bytes: int, kept_budget_bytes: int | None, time_limit_s: float) -> tuple[Schedule, Solution] | None:
+    def _round_relaxation(
+        self, peak_budget_bytes: int, kept_budget_bytes: int | None, time_limit_s: float
+    ) -> tuple[Schedule, Solution] | None:
         """Checkmate's fallback: solve the LP relaxation, round R and S[0], repair by recompute-on-demand."""
         if not pulp_backend.solve(self.prob, self.solver, time_limit_s, mip=False):
             return None
         forced = must_keep(self.problem)
         candidates = []
         for threshold in (0.5, 0.1, 0.9):
-            kept = frozenset(v for v, s in self.S[0].items() if (s.varValue or 0) >= threshold) | forced if self.S else forced
+            kept = (
+                frozenset(v for v, s in self.S[0].items() if (s.varValue or 0) >= threshold) | forced
+                if self.S
+                else forced
+            )
             requested = [[self.fwd[j].name for j, r in R_t.items() if (r.varValue or 0) >= 0.5] for R_t in self.R]
             for req in (requested, [[] for _ in self.R]):
                 try:
                     candidates.append(fill_missing(self.problem, kept, req))
                 except UnrecomputableValueError:
                     continue
-        fitting = [(sim.recompute_ms, s) for s in candidates if (sim := _fits(self.problem, s, peak_budget_bytes, kept_budget_bytes))]
+        fitting = [
+            (sim.recompute_ms, s)
+            for s in candidates
+            if (sim := _fits(self.problem, s, peak_budget_bytes, kept_budget_bytes))
+        ]
         if not fitting:
             return None
         logger.info("remat_plugin.solve: using a rounded LP relaxation (no integer solution in %.1f s)", time_limit_s)
         return min(fitting, key=lambda x: x[0])[1], {}
 
 
-def _fits(problem: Problem, schedule: Schedule, peak_budget_bytes: int, kept_budget_bytes: int | None) -> Simulation | None:
+def _fits(
+    problem: Problem, schedule: Schedule, peak_budget_bytes: int, kept_budget_bytes: int | None
+) -> Simulation | None:
     """The simulation of ``schedule`` if it is valid and within both budgets, else None."""
     try:
         sim = simulate(problem, schedule)
@@ -335,7 +378,9 @@ def solve_schedule(
     *,
     solver: str | None = None,
 ) -> Schedule | None:
-    """Least-recompute-time schedule within the budgets, or None if infeasible / not solved in time (after LP-relaxation rounding fallback).
+    """Least-recompute-time schedule within the budgets, or None if infeasible / not solved in time.
+
+    None comes only after the LP-relaxation rounding fallback also failed the simulator check.
 
     ``solver`` is ``"highs"`` or ``"cbc"``; by default HiGHS when installed.
     """
@@ -363,12 +408,35 @@ def block_option(problem: Problem, schedule: Schedule) -> BlockOption:
 
 def pareto(options: Iterable[BlockOption]) -> tuple[BlockOption, ...]:
     """Options not dominated in (kept, fwd peak, bwd peak, total time), without duplicates, fastest first."""
+
     def key(o: BlockOption) -> tuple[float, ...]:
         return (o.kept_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes, o.fwd_ms + o.bwd_ms)
 
     unique = {key(o): o for o in reversed(list(options))}  # first of equal-cost options wins
     kept = [o for k, o in unique.items() if not any(k2 != k and all(a <= b for a, b in zip(k2, k)) for k2 in unique)]
     return tuple(sorted(kept, key=lambda o: (o.fwd_ms + o.bwd_ms, o.kept_bytes)))
+
+
+@dataclass(frozen=True)
+class _Found:
+    """A schedule block_menu found, and the budgets (peak, kept) under which it is the ILP's answer."""
+
+    schedule: Schedule
+    sim: Simulation
+    region: tuple[int, int] | None  # None: not a least-recompute answer (only a warm start)
+    solution: Solution
+
+    def fits(self, peak_bytes: int, kept_bytes: int) -> bool:
+        return self.sim.peak_bytes <= peak_bytes and self.sim.kept_bytes <= kept_bytes
+
+    def settles(self, peak_bytes: int, kept_bytes: int) -> bool:
+        """Still the answer at tighter budgets it fits: a smaller feasible set cannot do better."""
+        return (
+            self.region is not None
+            and self.fits(peak_bytes, kept_bytes)
+            and peak_bytes <= self.region[0]
+            and kept_bytes <= self.region[1]
+        )
 
 
 def _grid(lo: int, hi: int, n: int) -> list[int]:
@@ -385,32 +453,45 @@ def block_menu(
     *,
     solver: str | None = None,
 ) -> tuple[BlockOption, ...]:
-    """Pareto menu over a grid of (peak budget, kept budget) pairs; always includes the keep-everything schedule (Schedule.keep_all) and the least-kept-memory schedule found."""
+    """Pareto menu over a grid of (peak budget, kept budget) pairs.
+
+    Always includes the keep-everything schedule (Schedule.keep_all) and the least-kept-memory schedule found.
+    The grid spans from the least peak / kept found to the keep-all values; one model is built and only the
+    budget rows change between grid points, visited loose to tight.  Every number comes from the simulator.
+    """
     keep_all = Schedule.keep_all(problem)
     sim_all = simulate(problem, keep_all)
     ilp = _BlockIlp.build(problem, solver)
     big = sim_all.peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1  # no budget
-    schedules = [keep_all]
+    found = [_Found(keep_all, sim_all, (big, big), {})]  # keep-all is optimal wherever it fits
     for objective in ("kept", "peak"):  # the grid's low ends, then the least recompute there
         extreme = ilp.solve(big, None, time_limit_s, objective=objective)
         if extreme is None:
             continue
         sim = simulate(problem, extreme[0])
-        budgets = (big, sim.kept_bytes) if objective == "kept" else (sim.peak_bytes, None)
-        cheaper = ilp.solve(*budgets, time_limit_s, warm=extreme[1] or None)
-        schedules.append((cheaper or extreme)[0])
-    sims = [simulate(problem, s) for s in schedules]
-    peaks = _grid(min(s.peak_bytes for s in sims), sim_all.peak_bytes, n_peak)
-    kepts = _grid(min(s.kept_bytes for s in sims), sim_all.kept_bytes, n_kept)
-    solutions: dict[int, Solution] = {}  # kept index -> solution at the previous (tighter) peak
-    for peak in peaks:
-        for ki in reversed(range(len(kepts))):
-            if any(s.recompute_ms == 0 and s.peak_bytes <= peak and s.kept_bytes <= kepts[ki] for s in sims):
-                continue  # a zero-recompute schedule already fits: optimal here
-            found = ilp.solve(peak, kepts[ki], time_limit_s, warm=solutions.get(ki) or None)
-            if found is None:
-                break  # a smaller kept budget at this peak fails too
-            schedules.append(found[0])
-            sims.append(simulate(problem, found[0]))
-            solutions[ki] = found[1]
-    return pareto(block_option(problem, s) for s in schedules)
+        region = (big, sim.kept_bytes) if objective == "kept" else (sim.peak_bytes, big)
+        cheaper = ilp.solve(*region, time_limit_s, warm=extreme[1] or None)
+        found.append(
+            _Found(
+                *(cheaper or extreme)[:1],
+                simulate(problem, (cheaper or extreme)[0]),
+                region if cheaper else None,
+                (cheaper or extreme)[1],
+            )
+        )
+    peaks = _grid(min(f.sim.peak_bytes for f in found), sim_all.peak_bytes, n_peak)
+    kepts = _grid(min(f.sim.kept_bytes for f in found), sim_all.kept_bytes, n_kept)
+    infeasible: list[tuple[int, int]] = []
+    for peak in reversed(peaks):  # loose to tight, so earlier answers settle later points
+        for kept in reversed(kepts):
+            if any(peak <= p and kept <= k for p, k in infeasible) or any(f.settles(peak, kept) for f in found):
+                continue
+            fitting = [f for f in found if f.fits(peak, kept) and f.solution]
+            warm = min(fitting, key=lambda f: f.sim.recompute_ms).solution if fitting else None
+            answer = ilp.solve(peak, kept, time_limit_s, warm=warm)
+            if answer is None:
+                if ilp.prob.status == pulp.LpStatusInfeasible:
+                    infeasible.append((peak, kept))
+                continue
+            found.append(_Found(answer[0], simulate(problem, answer[0]), (peak, kept), answer[1]))
+    return pareto(block_option(problem, f.schedule) for f in found)

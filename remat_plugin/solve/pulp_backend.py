@@ -12,10 +12,11 @@ NOTE [HiGHS pitfalls]
     * PuLP's HiGHS wrapper has no warm start; :class:`_WarmHiGHS` hands the
       variables' current values to HiGHS as a starting solution.
 """
+
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+from functools import cache
 
 import pulp
 
@@ -31,7 +32,7 @@ class SolverUnavailableError(RuntimeError):
     """The requested MILP solver is not installed."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def default_solver_name() -> str:
     """``"highs"`` when highspy is importable, else ``"cbc"`` (chosen once, logged)."""
     if pulp.HiGHS().available():
@@ -41,8 +42,7 @@ def default_solver_name() -> str:
         logger.info("remat_plugin.solve: highspy not found, using CBC for the block ILP")
         return "cbc"
     raise SolverUnavailableError(
-        "remat_plugin.solve: neither HiGHS nor CBC is available to PuLP; "
-        "install one with `pip install highspy`"
+        "remat_plugin.solve: neither HiGHS nor CBC is available to PuLP; install one with `pip install highspy`"
     )
 
 
@@ -53,7 +53,7 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc,valid-type]
         super().__init__(**kwargs)
         self.warm_start = warm_start
 
-    def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 (PuLP's name)
+    def callSolver(self, lp: pulp.LpProblem) -> None:
         if self.warm_start:
             import highspy
 
@@ -70,7 +70,9 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
     """A configured PuLP solver; ``name`` is one of :data:`SOLVER_NAMES`."""
     if name == "highs":
         if not pulp.HiGHS().available():
-            raise SolverUnavailableError("remat_plugin.solve: HiGHS requested but highspy is not installed; `pip install highspy`")
+            raise SolverUnavailableError(
+                "remat_plugin.solve: HiGHS requested but highspy is not installed; `pip install highspy`"
+            )
         return _WarmHiGHS(
             warm_start=warm_start and mip,
             mip=mip,

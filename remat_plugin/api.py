@@ -35,7 +35,7 @@ class RematModule(nn.Module):
     keys are exactly the original's, and the Parameter objects are the same objects.
     """
 
-    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 1.0):
+    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5):
         super().__init__()
         object.__setattr__(self, "original", original)
         self.budget = budget
@@ -124,7 +124,7 @@ def rematerialize(
     kwargs: dict | None = None,
     budget: int | str = "80%",
     *,
-    ilp_time_limit_s: float = 1.0,
+    ilp_time_limit_s: float = 0.5,
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 
@@ -136,3 +136,32 @@ def rematerialize(
     rm = RematModule(module, budget, ilp_time_limit_s)
     rm.prepare(tuple(args), dict(kwargs or {}))
     return rm
+
+
+def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None):
+    """Capture and profile ``module`` on these inputs; return ``(problem, constants)`` without planning.
+
+    For solver studies and benchmarks: the problem is what :func:`rematerialize` plans on.
+    Runs one forward of the unmodified schedule (RNG and buffers restored afterwards).
+    """
+    from .problem import Schedule
+
+    kwargs = dict(kwargs or {})
+    device = _device_of(args, kwargs, module)
+    found: dict[str, Any] = {}
+
+    def record(joint: JointGraph):
+        costs = profile_ops(joint, device)
+        problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
+        found["problem"] = problem
+        found["constants"] = {n for n in joint.constants if joint.is_fwd.get(n)}
+        return partition(joint, Schedule.keep_all(problem))
+
+    step = build_step(module, tuple(args), kwargs, record, device)
+    buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        step(tuple(args), kwargs)
+    with torch.no_grad():
+        for k, b in module.named_buffers():
+            b.copy_(buffers[k])
+    return found["problem"], found["constants"]

@@ -106,8 +106,13 @@ def build_step(
         step.out_constants = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, torch.Tensor)}
         return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
+    n_params = len(dict(module.named_parameters()))
+
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
-        return partition(JointGraph(joint_gm, num_fwd_outputs, device.type))
+        joint = JointGraph(joint_gm, num_fwd_outputs, device.type)
+        primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
+        return partition(joint)
 
     def boxed(gm_, _example):
         # Boxed calling convention: the program receives the argument list and clears it,

@@ -105,6 +105,13 @@ def partition(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx
     rng_needed = {k.removesuffix(RNG_SUFFIX) for k in kept if k.endswith(RNG_SUFFIX)}
     captures = _insert_rng_captures(joint, rng_needed)
     saved = [captures.get(k) or joint.node(k) for k in kept]
+    for node in saved:
+        if node.name in joint.buffer_primals:
+            # NOTE: buffers (BatchNorm running stats) are updated in place right after the
+            # forward, as in eager; backward ops that receive them (batch_norm_backward in
+            # training mode) do not read their values, so the version check would only
+            # reject a correct step.
+            node.meta["saved_tensor_with_no_vc_check"] = True
     fw, bw = _extract_fwd_bwd_modules(joint.gm, saved, [], num_fwd_outputs=joint.num_fwd_outputs)
     return fw, _rebuild_backward(joint, schedule, bw, captures)
 

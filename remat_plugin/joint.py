@@ -78,6 +78,7 @@ class JointGraph:
     constants: set[str] = field(default_factory=set)  # ops depending on no placeholder (masks, aranges)
     live_out: set[str] = field(default_factory=set)
     tangents: list[fx.Node] = field(default_factory=list)
+    buffer_primals: set[str] = field(default_factory=set)  # placeholders that are module buffers
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]

@@ -90,7 +90,7 @@ class Planner:
 
     problem: Problem
     constants: set[str]
-    ilp_time_limit_s: float = 1.0
+    ilp_time_limit_s: float = 0.5
     n_slots: int = 500
     blocks: list[Block] = field(default_factory=list)
     menus: list[tuple[BlockOption, ...]] = field(default_factory=list)
@@ -104,7 +104,7 @@ class Planner:
         self.n_unique = len(unique)
         for b in self.blocks:
             if b.key not in solved:
-                solved[b.key] = (b, block_menu(b.problem, n_peak=4, n_kept=4, time_limit_s=self.ilp_time_limit_s))
+                solved[b.key] = (b, block_menu(b.problem, n_peak=3, n_kept=3, time_limit_s=self.ilp_time_limit_s))
                 if progress is not None:
                     progress(len(solved), len(unique))
             src, menu = solved[b.key]
@@ -207,14 +207,56 @@ def _block_choices(planner: Planner, cp: ChainPlan, schedule: Schedule) -> tuple
     return tuple(choices)
 
 
-def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 1.0,
+_PLANNERS: dict[tuple, Planner] = {}
+_PLANNER_CACHE_SIZE = 8
+
+
+def _prepared_planner(problem: Problem, constants: set[str], ilp_time_limit_s: float, progress) -> Planner:
+    """Blocks and menus depend on the problem, not the budget: reuse them across budgets."""
+    key = (problem, frozenset(constants), ilp_time_limit_s)
+    planner = _PLANNERS.pop(key, None)
+    if planner is None:
+        planner = Planner(problem, constants, ilp_time_limit_s)
+        planner.prepare(progress)
+    _PLANNERS[key] = planner
+    while len(_PLANNERS) > _PLANNER_CACHE_SIZE:
+        _PLANNERS.pop(next(iter(_PLANNERS)))
+    return planner
+
+
+def _fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
+    """Try DP budgets around the real one; keep the fastest schedule the simulator says fits.
+
+    The DP rounds sizes up and sees blocks alone, so its own budget is only a knob:
+    a little above the real budget often still fits once simulated, and below it the
+    overshoot tells how far to step down.
+    """
+    best = None
+    for factor in (1.15, 1.08, 1.03):
+        found = planner.try_budget(int(budget_bytes * factor))
+        if found is not None and found[1].peak_bytes <= budget_bytes:
+            if best is None or found[1].time_ms < best[1].time_ms:
+                best = found
+    dp_budget = budget_bytes
+    for _ in range(12):
+        found = planner.try_budget(dp_budget)
+        if found is None:
+            break
+        if found[1].peak_bytes <= budget_bytes:
+            if best is None or found[1].time_ms < best[1].time_ms:
+                best = found
+            break
+        dp_budget -= max(found[1].peak_bytes - budget_bytes, budget_bytes // 100)
+    return best
+
+
+def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
               progress=None) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
     t0 = time.perf_counter()
     keep_all = Schedule.keep_all(problem)
     base = simulate(problem, keep_all)
-    planner = Planner(problem, constants, ilp_time_limit_s)
-    planner.prepare(progress)
+    planner = _prepared_planner(problem, constants, ilp_time_limit_s, progress)
     dp_min = planner.min_dp_budget()
     floor = planner.try_budget(dp_min)
     min_feasible = min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes
@@ -222,15 +264,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     if base.peak_bytes <= budget_bytes:
         chosen = (keep_all, base, None)
     else:
-        dp_budget = budget_bytes
-        for _ in range(12):
-            found = planner.try_budget(dp_budget)
-            if found is None:
-                break
-            if found[1].peak_bytes <= budget_bytes:
-                chosen = found
-                break
-            dp_budget -= max(found[1].peak_bytes - budget_bytes, budget_bytes // 100)
+        chosen = _fastest_fitting(planner, budget_bytes)
         if chosen is None and floor is not None and floor[1].peak_bytes <= budget_bytes:
             chosen = floor
     if chosen is None:

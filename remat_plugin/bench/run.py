@@ -1,0 +1,316 @@
+"""The benchmark: our plan at several budgets against the peers, on one model's own parameters.
+
+For each model, in one process:
+
+1. The unmodified step (``none``) is measured with the meter; its peak defines the budget bytes
+   of every fraction (``budget_bytes = int(fraction * none_peak)``).
+2. Each strategy (``none``, ``per_layer``, ``sqrt_n``, ``ours@<fraction>``) runs one metered step,
+   which gives its measured peak and, from the same step, its parameter gradients; those are
+   compared with ``none``'s (same batch, same RNG seed, so dropout draws the same masks).
+3. Its step time is compared with ``none`` as a ratio: ``pairs`` times, one ``none`` step then one
+   strategy step, the ratio of each pair, and the median of those (DESIGN.md, "Measuring": CPU
+   times are noisy, ratios of interleaved steps are not so much).
+
+Our plan is made once per budget (planning is the slow part) and that module is reused for all of
+its measurements. A budget below the smallest feasible one becomes an ``infeasible`` row.
+
+Every row is a plain dict (JSON-ready); ``bench/report.py`` formats them.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from remat_plugin.api import RematModule, rematerialize
+from remat_plugin.bench.models import BenchModel, build
+from remat_plugin.bench.peers import Step, none, per_layer_checkpoint, sqrt_n
+from remat_plugin.errors import InfeasibleBudgetError, RematError
+from remat_plugin.memory import PeakMeter
+
+__all__ = ["PEER_STRATEGIES", "BenchRow", "run_bench", "run_model"]
+
+log = logging.getLogger(__name__)
+
+BenchRow = dict[str, Any]
+Batch = tuple[tuple[Any, ...], dict[str, Any]]
+
+# Strategy name in the report -> peer context manager (bench/peers.py).
+PEER_STRATEGIES: dict[str, Callable[[BenchModel], Any]] = {
+    "none": none,
+    "per_layer": per_layer_checkpoint,
+    "sqrt_n": sqrt_n,
+}
+# The factory argument that sets each model's number of repeated layers (``--n-layer``).
+LAYER_COUNT_ARG = {"gpt2-tiny": "n_layer", "mlp-chain": "n_blocks"}
+
+GRAD_SEED = 1234  # re-seeded before every compared step, so dropout masks match across strategies
+BATCH_SEED = 0
+
+
+def run_bench(
+    models: list[str],
+    budgets: list[float],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    pairs: int = 5,
+    *,
+    n_layer: int | None = None,
+    seed: int = 0,
+) -> list[BenchRow]:
+    """Benchmark every model in ``models`` at every budget fraction; return one row per (model, strategy)."""
+    if pairs < 1:
+        raise ValueError(f"bench.run: pairs must be at least 1, got {pairs}; time at least one pair.")
+    bad = [f for f in budgets if not f > 0]
+    if bad:
+        raise ValueError(f"bench.run: budget fractions must be positive, got {bad}; give fractions such as 0.5.")
+    rows: list[BenchRow] = []
+    for name in models:
+        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, "device": device}
+        if n_layer is not None:
+            if name not in LAYER_COUNT_ARG:
+                raise ValueError(
+                    f"bench.run: model {name!r} has a fixed depth; drop --n-layer or pick one of {sorted(LAYER_COUNT_ARG)}."
+                )
+            kwargs[LAYER_COUNT_ARG[name]] = n_layer
+        rows.extend(run_model(build(name, **kwargs), budgets, torch.device(device), dtype, pairs))
+    return rows
+
+
+def run_model(
+    bench: BenchModel, budgets: list[float], device: torch.device, dtype: torch.dtype, pairs: int
+) -> list[BenchRow]:
+    """All strategies on one model: the peers first, then our plan at each budget fraction."""
+    batch = bench.make_batch(BATCH_SEED)
+    none_step = _peer_step(bench, "none")
+    _train_step(bench, none_step, batch, device)  # warm-up: first-call allocations are not the model's
+    none_peak, none_grads, none_loss = _metered_step(bench, none_step, batch, device)
+    log.info("%s: none peak %d bytes", bench.name, none_peak)
+    context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
+
+    rows = [context.row(name, _peer_step(bench, name)) for name in PEER_STRATEGIES]
+    min_feasible_bytes: int | None = None  # the plan's problem does not depend on the budget
+    for fraction in budgets:
+        row, min_feasible_bytes = _ours_row(context, fraction, min_feasible_bytes)
+        rows.append(row)
+        gc.collect()  # the plan's module and its compiled step are gone; free them before the next plan
+    for row in rows:
+        row["meta"] = dict(bench.meta)
+    return rows
+
+
+def _ours_row(context: _RunContext, fraction: float, min_feasible_bytes: int | None) -> tuple[BenchRow, int | None]:
+    bench = context.bench
+    budget_bytes = int(fraction * context.none_peak)
+    name = f"ours@{fraction:g}"
+    if min_feasible_bytes is not None and budget_bytes < min_feasible_bytes:
+        log.info(
+            "%s %s: below the smallest feasible budget %d of an earlier plan", bench.name, name, min_feasible_bytes
+        )
+        row = context.infeasible_row(name, fraction, budget_bytes, min_feasible_bytes, plan_wall_s=None)
+        return row, min_feasible_bytes
+    log.info("%s %s: planning for %d bytes", bench.name, name, budget_bytes)
+    t0 = time.perf_counter()
+    try:
+        rm = rematerialize(bench.module, *context.batch, budget=budget_bytes)
+    except InfeasibleBudgetError as exc:
+        row = context.infeasible_row(name, fraction, budget_bytes, exc.min_feasible_bytes, time.perf_counter() - t0)
+        return row, exc.min_feasible_bytes
+    except RematError as exc:  # one model that cannot be captured should not end the whole run
+        log.warning("%s %s: %s", bench.name, name, exc)
+        row = context.base_row(name, fraction, budget_bytes)
+        row["error"] = str(exc)
+        return row, min_feasible_bytes
+    plan_wall_s = time.perf_counter() - t0
+    row = _measure_plan(context, rm, fraction, budget_bytes)
+    row["plan_wall_s"] = plan_wall_s  # capture + profile + solve, as the user waits for it
+    return row, row["min_feasible_bytes"]
+
+
+def _measure_plan(context: _RunContext, rm: RematModule, fraction: float, budget_bytes: int) -> BenchRow:
+    plan = rm.plan
+    assert plan is not None, "rematerialize returned a module without a plan"
+    loss_of = context.bench.loss
+
+    def step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        return loss_of(rm(*args, **kwargs))
+
+    row = context.row(f"ours@{fraction:g}", lambda: _no_patching(step), fraction=fraction, budget_bytes=budget_bytes)
+    row.update(
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        predicted_time_ratio=plan.predicted_overhead,
+        min_feasible_bytes=plan.min_feasible_bytes,
+        plan_s=plan.planning_s,
+        within_budget=row["measured_peak_bytes"] <= budget_bytes,
+        fallback=plan.fallback,
+    )
+    return row
+
+
+class _RunContext:
+    """What every strategy of one model is measured against: the batch and the ``none`` reference."""
+
+    def __init__(
+        self,
+        bench: BenchModel,
+        batch: Batch,
+        device: torch.device,
+        dtype: torch.dtype,
+        pairs: int,
+        none_step: Callable[[], Any],
+        none_peak: int,
+        none_grads: list[torch.Tensor | None],
+        none_loss: float,
+    ) -> None:
+        self.bench, self.batch, self.device, self.dtype, self.pairs = bench, batch, device, dtype, pairs
+        self.none_step, self.none_peak, self.none_grads, self.none_loss = none_step, none_peak, none_grads, none_loss
+
+    def base_row(self, strategy: str, fraction: float | None = None, budget_bytes: int | None = None) -> BenchRow:
+        return {
+            "model": self.bench.name,
+            "strategy": strategy,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "budget_fraction": fraction,
+            "budget_bytes": budget_bytes,
+            "none_peak_bytes": self.none_peak,
+            "measured_peak_bytes": None,
+            "predicted_peak_bytes": None,
+            "predicted_time_ratio": None,
+            "time_ratio": None,
+            "time_ratios": [],
+            "plan_s": None,
+            "grads_equal": None,
+            "within_budget": None,
+            "infeasible": False,
+            "min_feasible_bytes": None,
+        }
+
+    def row(
+        self,
+        strategy: str,
+        peer_step: Callable[[], Any],
+        fraction: float | None = None,
+        budget_bytes: int | None = None,
+    ) -> BenchRow:
+        """Measure one strategy: metered step (peak, grads), then interleaved timing against ``none``."""
+        log.info("%s %s: measuring", self.bench.name, strategy)
+        row = self.base_row(strategy, fraction, budget_bytes)
+        peak, grads, loss = _metered_step(self.bench, peer_step, self.batch, self.device)
+        equal, max_abs_diff = _compare_grads(self.none_grads, grads, self.dtype)
+        ratios = _time_ratios(self.bench, self.none_step, peer_step, self.batch, self.device, self.pairs)
+        row.update(
+            measured_peak_bytes=peak,
+            grads_equal=equal,
+            grad_max_abs_diff=max_abs_diff,
+            loss=loss,
+            loss_equal=loss == self.none_loss,
+            time_ratios=ratios,
+            time_ratio=statistics.median(ratios),
+        )
+        return row
+
+    def infeasible_row(
+        self, strategy: str, fraction: float, budget_bytes: int, min_feasible_bytes: int, plan_wall_s: float | None
+    ) -> BenchRow:
+        row = self.base_row(strategy, fraction, budget_bytes)
+        row.update(infeasible=True, min_feasible_bytes=min_feasible_bytes, plan_wall_s=plan_wall_s)
+        return row
+
+
+# --- steps -------------------------------------------------------------------------------------
+# A "peer step" is a zero-argument callable returning a context manager that yields a
+# ``step(args, kwargs) -> loss``; entering it (patching layers, for the checkpointing peers) stays
+# outside what is metered and timed.
+
+
+def _peer_step(bench: BenchModel, name: str) -> Callable[[], Any]:
+    peer = PEER_STRATEGIES[name]
+    return lambda: peer(bench)
+
+
+@contextmanager
+def _no_patching(step: Step) -> Iterator[Step]:
+    """Our plan needs no patching (the RematModule wraps the module): just yield its step."""
+    yield step
+
+
+def _train_step(bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device) -> None:
+    bench.module.zero_grad(set_to_none=True)
+    with peer_step() as step:
+        torch.manual_seed(GRAD_SEED)
+        step(*batch).backward()
+    _sync(device)
+
+
+def _metered_step(
+    bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device
+) -> tuple[int, list[torch.Tensor | None], float]:
+    """One seeded forward+backward under the meter: (peak bytes, parameter grads, loss)."""
+    bench.module.zero_grad(set_to_none=True)
+    with peer_step() as step:
+        torch.manual_seed(GRAD_SEED)
+        with PeakMeter(device) as meter:
+            loss = step(*batch)
+            loss.backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in bench.module.parameters()]
+    bench.module.zero_grad(set_to_none=True)
+    return meter.peak_bytes, grads, float(loss.detach())
+
+
+def _timed_step(bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device) -> float:
+    bench.module.zero_grad(set_to_none=True)
+    with peer_step() as step:
+        torch.manual_seed(GRAD_SEED)
+        _sync(device)
+        t0 = time.perf_counter()
+        step(*batch).backward()
+        _sync(device)
+        return time.perf_counter() - t0
+
+
+def _time_ratios(
+    bench: BenchModel,
+    none_step: Callable[[], Any],
+    peer_step: Callable[[], Any],
+    batch: Batch,
+    device: torch.device,
+    pairs: int,
+) -> list[float]:
+    """``pairs`` interleaved (none, strategy) steps after one warm-up pair; each pair's strategy time over none's."""
+    _timed_step(bench, none_step, batch, device)  # warm-up pair: first calls after the meter pay one-off costs
+    _timed_step(bench, peer_step, batch, device)
+    ratios = []
+    for _ in range(pairs):
+        none_s = _timed_step(bench, none_step, batch, device)
+        strategy_s = _timed_step(bench, peer_step, batch, device)
+        ratios.append(strategy_s / none_s)
+    bench.module.zero_grad(set_to_none=True)
+    return ratios
+
+
+def _compare_grads(
+    reference: list[torch.Tensor | None], grads: list[torch.Tensor | None], dtype: torch.dtype
+) -> tuple[bool, float | None]:
+    """Bitwise equal in float64, ``allclose(rtol=1e-5)`` otherwise; also the largest absolute difference."""
+    if len(reference) != len(grads) or any((a is None) != (b is None) for a, b in zip(reference, grads)):
+        return False, None
+    pairs = [(a, b) for a, b in zip(reference, grads) if a is not None and b is not None]
+    if dtype == torch.float64:
+        equal = all(torch.equal(a, b) for a, b in pairs)
+    else:
+        equal = all(torch.allclose(a, b, rtol=1e-5) for a, b in pairs)
+    max_abs_diff = max((float((a - b).abs().max()) for a, b in pairs if a.numel()), default=0.0)
+    return equal, max_abs_diff
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,85 @@
+"""The benchmark command end to end: it runs as a subprocess and its JSON holds every strategy's row."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PEERS = ["none", "per_layer", "sqrt_n"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "remat_plugin.bench", *args],
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mlp_report(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    proc = _run("--model", "mlp-chain", "--budgets", "1.0,0.5", "--pairs", "2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(out.read_text())
+
+
+def test_every_strategy_has_a_row(mlp_report):
+    """One row per peer and per budget fraction, and the Markdown table names them all."""
+    proc, report = mlp_report
+    strategies = [row["strategy"] for row in report["rows"]]
+    assert strategies == [*PEERS, "ours@1", "ours@0.5"]
+    assert report["schema_version"] == 1 and report["settings"]["pairs"] == 2
+    for strategy in strategies:
+        assert f"| mlp-chain | {strategy} |" in proc.stdout
+
+
+def test_peers_match_none(mlp_report):
+    """Peers report a measured peak, equal gradients, and none's own time ratio is about 1."""
+    _, report = mlp_report
+    rows = {row["strategy"]: row for row in report["rows"]}
+    none_peak = rows["none"]["measured_peak_bytes"]
+    assert none_peak > 0 and rows["none"]["none_peak_bytes"] == none_peak
+    for name in PEERS:
+        assert rows[name]["grads_equal"] is True
+        assert 0 < rows[name]["measured_peak_bytes"] <= none_peak
+        assert len(rows[name]["time_ratios"]) == 2
+    # CPU steps of a few ms are noisy under load; a loose bound still catches a broken pairing.
+    assert 0.25 < rows["none"]["time_ratio"] < 4
+
+
+def test_ours_fits_budget_or_says_infeasible(mlp_report):
+    """Each ours row either fits its budget with equal gradients or is infeasible with the smallest budget."""
+    _, report = mlp_report
+    ours = [row for row in report["rows"] if row["strategy"].startswith("ours@")]
+    none_peak = report["rows"][0]["measured_peak_bytes"]
+    assert any(not row["infeasible"] for row in ours), "ours@1 (the unmodified peak) must be feasible"
+    for row in ours:
+        assert row["budget_bytes"] == int(row["budget_fraction"] * none_peak)
+        if row["infeasible"]:
+            assert row["min_feasible_bytes"] > row["budget_bytes"]
+            assert row["measured_peak_bytes"] is None
+            continue
+        assert row["measured_peak_bytes"] <= row["budget_bytes"] and row["within_budget"] is True
+        assert row["grads_equal"] is True
+        assert row["predicted_peak_bytes"] <= row["budget_bytes"]
+        assert row["plan_s"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed when there is no GPU")
+def test_cuda_without_gpu_skips_cleanly():
+    """``--device cuda`` on a machine without CUDA exits 0 with a message instead of failing."""
+    proc = _run("--model", "mlp-chain", "--device", "cuda", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout
+
+
+def test_bad_arguments_exit_with_usage():
+    """An unknown model or a non-positive budget is an argparse error naming the problem."""
+    proc = _run("--model", "vgg", timeout=60)
+    assert proc.returncode == 2 and "unknown model" in proc.stderr
+    proc = _run("--model", "mlp-chain", "--budgets", "1.0,-0.5", timeout=60)
+    assert proc.returncode == 2 and "positive fractions" in proc.stderr

@@ -4,6 +4,11 @@ from .errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, Rema
 from .plan import Plan
 
 __all__ = [
-    "rematerialize", "RematModule", "Plan",
-    "RematError", "InfeasibleBudgetError", "CaptureError", "BudgetFormatError",
+    "BudgetFormatError",
+    "CaptureError",
+    "InfeasibleBudgetError",
+    "Plan",
+    "RematError",
+    "RematModule",
+    "rematerialize",
 ]

@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch import nn
 
 from .budget import parse_budget
 from .compile import CompiledStep, build_step, input_signature

@@ -33,7 +33,7 @@ def free_device_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def parse_budget(budget: int | float | str, device: torch.device | str = "cpu") -> int:
+def parse_budget(budget: float | str, device: torch.device | str = "cpu") -> int:
     """Resolve a budget to bytes; raise :class:`BudgetFormatError` naming the accepted forms."""
     if isinstance(budget, bool):
         raise BudgetFormatError(f"remat_plugin: budget {budget!r} is not a budget; give {_ACCEPTED}")

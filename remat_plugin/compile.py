@@ -8,12 +8,13 @@ emits the programs (see :mod:`remat_plugin.execute`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch import nn
 from torch._functorch.aot_autograd import aot_function
 
 from .errors import CaptureError

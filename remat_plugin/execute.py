@@ -12,7 +12,7 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
 from .joint import RNG_SUFFIX, TANGENTS_OP, JointGraph, _is_view_target

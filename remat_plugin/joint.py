@@ -18,7 +18,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from .problem import Op, Problem, Value
 

@@ -60,7 +60,7 @@ class Plan:
         return json.dumps(asdict(self), indent=1)
 
     @staticmethod
-    def from_json(text: str) -> "Plan":
+    def from_json(text: str) -> Plan:
         data = json.loads(text)
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")

@@ -87,6 +87,6 @@ class Schedule:
     bwd_sequence: tuple[str, ...]
 
     @staticmethod
-    def keep_all(problem: Problem) -> "Schedule":
+    def keep_all(problem: Problem) -> Schedule:
         """The schedule of plain autograd: keep every forward value the backward reads."""
         return Schedule(tuple(o.name for o in problem.bwd_ops))

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .joint import JointGraph
 
@@ -82,7 +83,9 @@ def _time_op(node: fx.Node, device: torch.device, min_total_ms: float = 2.0, max
 def profile_ops(joint: JointGraph, device: torch.device, progress=None) -> OpCosts:
     """Measure each op of ``joint`` (cached by signature); failures fall back to a bytes-based estimate."""
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # profiling random ops must not shift the user's RNG stream
+    # Planning runs inside AOTAutograd's partitioner, under its fake-tensor mode: step out of it
+    # so the ops run on real tensors.  Random ops must not shift the user's RNG stream.
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
         return _profile_ops(joint, device, progress)
 
 

@@ -32,8 +32,8 @@ __all__ = [
     "checkmate_solve",
     "rotor_planner",
     "rotor_schedule",
-    "sqrt_n_segments",
     "sqrt_n_schedule",
+    "sqrt_n_segments",
 ]
 
 

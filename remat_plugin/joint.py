@@ -159,7 +159,11 @@ class JointGraph:
         return tuple(out)
 
     def value_bytes(self, name: str) -> int:
-        return _tensor_bytes(self.node(name).meta.get("val"))
+        return self._device_bytes(_tensor_bytes(self.node(name).meta.get("val")))
+
+    def _device_bytes(self, nbytes: int) -> int:
+        """What the allocator really hands out: the CUDA caching allocator rounds to 512 bytes."""
+        return -(-nbytes // 512) * 512 if self.device_type == "cuda" else nbytes
 
     def to_problem(self, time_ms: dict[str, float], temp_bytes: dict[str, int]) -> Problem:
         """The planning problem with the given per-op costs (ops missing from the dicts cost nothing)."""
@@ -178,7 +182,10 @@ class JointGraph:
                 reads.append(rng)
             if not self.is_fwd[n.name] and tangent_values and not any(o.name == TANGENTS_OP for o in ops):
                 ops.append(Op(TANGENTS_OP, False, (), tangent_values, 0.0))
-                values.extend(Value(t.name, _tensor_bytes(t.meta.get("val")), TANGENTS_OP) for t in self.tangents)
+                values.extend(
+                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
+                    for t in self.tangents
+                )
             outs = self.values_of[n.name]
             ops.append(
                 Op(
@@ -193,7 +200,10 @@ class JointGraph:
             values.extend(Value(v, self.value_bytes(v), n.name) for v in outs)
         if tangent_values and not any(o.name == TANGENTS_OP for o in ops):
             ops.append(Op(TANGENTS_OP, False, (), tangent_values, 0.0))
-            values.extend(Value(t.name, _tensor_bytes(t.meta.get("val")), TANGENTS_OP) for t in self.tangents)
+            values.extend(
+                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
+                    for t in self.tangents
+                )
         return Problem(tuple(ops), tuple(values), frozenset(self.live_out))
 
 

@@ -38,6 +38,7 @@ class Plan:
     """A plan as plain data: what was decided and what it is predicted to cost."""
 
     budget_bytes: int
+    margin_bytes: int  # kept back from the budget for allocator rounding and unseen temporaries
     predicted_peak_bytes: int
     predicted_time_ms: float
     baseline_peak_bytes: int
@@ -70,7 +71,7 @@ class Plan:
 
     def table(self) -> str:
         lines = [
-            f"remat plan  budget {human_bytes(self.budget_bytes)}  predicted peak {human_bytes(self.predicted_peak_bytes)}"
+            f"remat plan  budget {human_bytes(self.budget_bytes)} (margin {human_bytes(self.margin_bytes)})  predicted peak {human_bytes(self.predicted_peak_bytes)}"
             f" (unmodified {human_bytes(self.baseline_peak_bytes)}, smallest feasible {human_bytes(self.min_feasible_bytes)})",
             f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)} ({self.n_unique_blocks} unique)"
             f"  planned in {self.planning_s:.1f} s" + (f"  FALLBACK: {self.fallback}" if self.fallback else ""),
@@ -250,16 +251,34 @@ def _fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Sim
     return best
 
 
+MARGIN_MIN_BYTES = 64 * 1024
+
+
+def safety_margin(budget_bytes: int) -> int:
+    """Bytes kept back from a budget for what the model does not see (allocator rounding, tiny temporaries)."""
+    return max(MARGIN_MIN_BYTES, budget_bytes // 200)
+
+
+def budget_for_peak(peak_bytes: int) -> int:
+    """The smallest budget whose usable part (budget minus margin) holds ``peak_bytes``."""
+    budget = max(peak_bytes + MARGIN_MIN_BYTES, peak_bytes * 200 // 199 - 2)
+    while budget - safety_margin(budget) < peak_bytes:
+        budget += 1
+    return budget
+
+
 def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
               progress=None) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
     t0 = time.perf_counter()
+    user_budget_bytes = budget_bytes
+    budget_bytes = user_budget_bytes - safety_margin(user_budget_bytes)
     keep_all = Schedule.keep_all(problem)
     base = simulate(problem, keep_all)
     planner = _prepared_planner(problem, constants, ilp_time_limit_s, progress)
     dp_min = planner.min_dp_budget()
     floor = planner.try_budget(dp_min)
-    min_feasible = min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes
+    min_feasible = budget_for_peak(min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes)
     chosen: tuple[Schedule, Simulation, ChainPlan | None] | None = None
     if base.peak_bytes <= budget_bytes:
         chosen = (keep_all, base, None)
@@ -268,14 +287,15 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         if chosen is None and floor is not None and floor[1].peak_bytes <= budget_bytes:
             chosen = floor
     if chosen is None:
-        raise InfeasibleBudgetError(budget_bytes, min_feasible)
+        raise InfeasibleBudgetError(user_budget_bytes, min_feasible)
     schedule, sim, cp = chosen
     blocks = (
         _block_choices(planner, cp, schedule) if cp is not None
         else tuple(BlockChoice(b.index, len(b.fwd_ops), "keep", 0, 0.0) for b in planner.blocks)
     )
     plan = Plan(
-        budget_bytes=budget_bytes,
+        budget_bytes=user_budget_bytes,
+        margin_bytes=user_budget_bytes - budget_bytes,
         predicted_peak_bytes=sim.peak_bytes,
         predicted_time_ms=sim.time_ms,
         baseline_peak_bytes=base.peak_bytes,
@@ -286,7 +306,8 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         planning_s=time.perf_counter() - t0,
         schedule=schedule.bwd_sequence,
     )
-    log.info("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s, overhead %.3fx",
-             len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(budget_bytes),
+    log.info("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s (margin %s), overhead %.3fx",
+             len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(user_budget_bytes),
+             human_bytes(plan.margin_bytes),
              plan.predicted_overhead)
     return plan, schedule

@@ -8,6 +8,7 @@ from torch import nn
 from remat_plugin import CaptureError, InfeasibleBudgetError, rematerialize
 from remat_plugin.bench.models import build
 from remat_plugin.memory import measure_peak
+from remat_plugin.plan import budget_for_peak
 
 SMALL = {
     "gpt2-tiny": dict(n_layer=2, batch_size=4, seq_len=64),
@@ -54,7 +55,7 @@ def test_float64_bitwise_from_baseline_to_smallest_budget(name):
     a, b = _pair(name)
     batch = a.make_batch(0)
     plan = rematerialize(a.module, *batch, budget=10**12).plan
-    base, floor = plan.baseline_peak_bytes, plan.min_feasible_bytes
+    base, floor = budget_for_peak(plan.baseline_peak_bytes), plan.min_feasible_bytes
     assert floor < base
     budgets = [base, (base + floor) // 2, floor]
     for budget in budgets:
@@ -80,7 +81,7 @@ def test_budget_sweep_measured_within_budget_and_prediction(name):
     a, _ = _pair(name, torch.float32)
     batch = a.make_batch(0)
     plan = rematerialize(a.module, *batch, budget=10**12).plan
-    base, floor = plan.baseline_peak_bytes, plan.min_feasible_bytes
+    base, floor = budget_for_peak(plan.baseline_peak_bytes), plan.min_feasible_bytes
     for i in range(10):
         budget = int(base - (base - floor) * i / 9)
         rm = rematerialize(a.module, *batch, budget=budget)

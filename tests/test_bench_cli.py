@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from remat_plugin.bench.__main__ import main
+
 REPO = Path(__file__).resolve().parents[1]
 PEERS = ["none", "per_layer", "sqrt_n"]
 
@@ -27,6 +29,7 @@ def mlp_report(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_every_strategy_has_a_row(mlp_report):
     """One row per peer and per budget fraction, and the Markdown table names them all."""
     proc, report = mlp_report
@@ -37,6 +40,7 @@ def test_every_strategy_has_a_row(mlp_report):
         assert f"| mlp-chain | {strategy} |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_peers_match_none(mlp_report):
     """Peers report a measured peak, equal gradients, and none's own time ratio is about 1."""
     _, report = mlp_report
@@ -51,6 +55,7 @@ def test_peers_match_none(mlp_report):
     assert 0.25 < rows["none"]["time_ratio"] < 4
 
 
+@pytest.mark.slow
 def test_ours_fits_budget_or_says_infeasible(mlp_report):
     """Each ours row either fits its budget with equal gradients or is infeasible with the smallest budget."""
     _, report = mlp_report
@@ -70,16 +75,32 @@ def test_ours_fits_budget_or_says_infeasible(mlp_report):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed when there is no GPU")
-def test_cuda_without_gpu_skips_cleanly():
-    """``--device cuda`` on a machine without CUDA exits 0 with a message instead of failing."""
-    proc = _run("--model", "mlp-chain", "--device", "cuda", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "no CUDA device" in proc.stdout
+def test_cuda_without_gpu_skips_cleanly(capsys):
+    """``--device cuda`` on a machine without CUDA returns 0 with a message instead of failing."""
+    assert main(["--model", "mlp-chain", "--device", "cuda"]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
 
 
-def test_bad_arguments_exit_with_usage():
-    """An unknown model or a non-positive budget is an argparse error naming the problem."""
-    proc = _run("--model", "vgg", timeout=60)
-    assert proc.returncode == 2 and "unknown model" in proc.stderr
-    proc = _run("--model", "mlp-chain", "--budgets", "1.0,-0.5", timeout=60)
-    assert proc.returncode == 2 and "positive fractions" in proc.stderr
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "vgg"], "unknown model"),
+        (["--model", "mlp-chain", "--budgets", "1.0,-0.5"], "positive fractions"),
+        (["--model", "mlp-chain", "--budgets", "half"], "cannot read budgets"),
+        (["--model", "mlp-chain", "--pairs", "0"], "--pairs must be at least 1"),
+    ],
+)
+def test_bad_arguments_exit_with_usage(argv, message, capsys):
+    """An unknown model or an unreadable budget is an argparse error (exit 2) naming the problem."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_n_layer_on_fixed_depth_model_is_refused(capsys):
+    """``--n-layer`` with a model of fixed depth exits 2 and names the models that accept it."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "mlp-chain,resnet-tiny", "--n-layer", "2"])
+    assert exc.value.code == 2
+    assert "resnet-tiny have a fixed depth" in capsys.readouterr().err

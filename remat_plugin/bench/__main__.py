@@ -19,7 +19,7 @@ import torch
 
 from remat_plugin.bench.models import MODELS
 from remat_plugin.bench.report import compare_with_peers, format_comparisons, format_table, to_json
-from remat_plugin.bench.run import run_bench
+from remat_plugin.bench.run import LAYER_COUNT_ARG, run_bench
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -53,32 +53,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--pairs", type=int, default=5, help="interleaved (none, strategy) step pairs per timing")
+    parser.add_argument("--pairs", type=int, default=5, help="timed (none, strategy) step pairs, after a warm-up pair")
     parser.add_argument("--n-layer", type=int, default=None, help="number of repeated layers (gpt2-tiny, mlp-chain)")
     parser.add_argument("--seed", type=int, default=0, help="model weights seed")
     parser.add_argument("--json", default=None, help="write every measurement to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="log remat_plugin's planning too")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
+    fixed = [name for name in args.model if name not in LAYER_COUNT_ARG]
+    if args.n_layer is not None and fixed:
+        parser.error(f"--n-layer: {', '.join(fixed)} have a fixed depth; it applies to {', '.join(LAYER_COUNT_ARG)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING)
     logging.getLogger("remat_plugin" if args.verbose else "remat_plugin.bench").setLevel(logging.INFO)
-    if args.pairs < 1:
-        print("remat_plugin.bench: --pairs must be at least 1.", file=sys.stderr)
-        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("remat_plugin.bench: --device cuda asked for, but no CUDA device is available; skipping.")
         return 0
 
     t0 = time.perf_counter()
-    try:
-        rows = run_bench(args.model, args.budgets, args.device, DTYPES[args.dtype], args.pairs, n_layer=args.n_layer,
-                         seed=args.seed)  # fmt: skip
-    except ValueError as exc:
-        print(f"remat_plugin.bench: {exc}", file=sys.stderr)
-        return 2
+    rows = run_bench(
+        args.model, args.budgets, args.device, DTYPES[args.dtype], args.pairs, n_layer=args.n_layer, seed=args.seed
+    )
     wall_s = time.perf_counter() - t0
 
     print(format_table(rows))

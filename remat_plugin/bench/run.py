@@ -71,14 +71,13 @@ def run_bench(
     bad = [f for f in budgets if not f > 0]
     if bad:
         raise ValueError(f"bench.run: budget fractions must be positive, got {bad}; give fractions such as 0.5.")
+    fixed = [name for name in models if name not in LAYER_COUNT_ARG]
+    if n_layer is not None and fixed:
+        raise ValueError(f"bench.run: {fixed} have a fixed depth; drop n_layer or pick from {sorted(LAYER_COUNT_ARG)}.")
     rows: list[BenchRow] = []
     for name in models:
         kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, "device": device}
         if n_layer is not None:
-            if name not in LAYER_COUNT_ARG:
-                raise ValueError(
-                    f"bench.run: model {name!r} has a fixed depth; drop --n-layer or pick one of {sorted(LAYER_COUNT_ARG)}."
-                )
             kwargs[LAYER_COUNT_ARG[name]] = n_layer
         rows.extend(run_model(build(name, **kwargs), budgets, torch.device(device), dtype, pairs))
     return rows

@@ -91,9 +91,12 @@ def _placeholder_reads(joint: JointGraph, node: fx.Node) -> list[str]:
         if a.op == "placeholder":
             if a.name not in found:
                 found.append(a.name)
-        elif a.op == "call_function" and (a.target is operator.getitem or _is_view_target(a.target)):
-            if joint.root.get(a.name) is None:
-                fx.node.map_arg((a.args, a.kwargs), visit)
+        elif (
+            a.op == "call_function"
+            and (a.target is operator.getitem or _is_view_target(a.target))
+            and joint.root.get(a.name) is None
+        ):
+            fx.node.map_arg((a.args, a.kwargs), visit)
 
     fx.node.map_arg((node.args, node.kwargs), visit)
     return found

@@ -52,7 +52,7 @@ def _tensor_bytes(val) -> int:
         return 0
     try:
         return int(val.untyped_storage().nbytes())
-    except Exception:  # fake tensors without storage: fall back to dense size
+    except (RuntimeError, NotImplementedError):  # tensors without storage: dense size
         return int(val.numel() * val.element_size())
 
 
@@ -169,41 +169,23 @@ class JointGraph:
         """The planning problem with the given per-op costs (ops missing from the dicts cost nothing)."""
         ops: list[Op] = []
         values: list[Value] = []
-        tangent_values = tuple(t.name for t in self.tangents)
-        tangent_set = set(tangent_values)
+        tangent_names = {t.name for t in self.tangents}
         for n in self.ops:
+            if not self.is_fwd[n.name] and self.tangents and not any(o.name == TANGENTS_OP for o in ops):
+                ops.append(Op(TANGENTS_OP, False, (), tuple(t.name for t in self.tangents), 0.0))
+                values.extend(
+                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
+                    for t in self.tangents
+                )
             reads = list(self.reads(n))
-            # tangents are placeholders; they count from the start of the backward
-            reads += [a.name for a in _node_args(n) if a.name in tangent_set and a.name not in reads]
+            reads += [a.name for a in _node_args(n) if a.name in tangent_names and a.name not in reads]
             if n.name in self.random_ops:
                 rng = n.name + RNG_SUFFIX
                 ops.append(Op(rng, True, (), (rng,), 0.0, 0, recomputable=False))
                 values.append(Value(rng, RNG_STATE_BYTES.get(self.device_type, 16), rng))
                 reads.append(rng)
-            if not self.is_fwd[n.name] and tangent_values and not any(o.name == TANGENTS_OP for o in ops):
-                ops.append(Op(TANGENTS_OP, False, (), tangent_values, 0.0))
-                values.extend(
-                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
-                    for t in self.tangents
-                )
             outs = self.values_of[n.name]
-            ops.append(
-                Op(
-                    n.name,
-                    self.is_fwd[n.name],
-                    tuple(reads),
-                    outs,
-                    time_ms.get(n.name, 0.0),
-                    temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name],
-                )
-            )
+            temp = temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name]
+            ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp))
             values.extend(Value(v, self.value_bytes(v), n.name) for v in outs)
-        if tangent_values and not any(o.name == TANGENTS_OP for o in ops):
-            ops.append(Op(TANGENTS_OP, False, (), tangent_values, 0.0))
-            values.extend(
-                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
-                    for t in self.tangents
-                )
         return Problem(tuple(ops), tuple(values), frozenset(self.live_out))
-
-

@@ -35,9 +35,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self  # a torch dependency; typing.Self needs Python 3.11
 
@@ -77,8 +78,8 @@ class _StorageTracker(TorchDispatchMode):
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor) or leaf.device != self._device:
                 continue
-            if isinstance(leaf, FakeTensor) or leaf.is_meta:
-                continue  # tracing (torch.export, AOTAutograd) makes fake tensors: no memory behind them
+            if isinstance(leaf, (FakeTensor, FunctionalTensor)) or leaf.is_meta:
+                continue  # tracing (torch.export, AOTAutograd) makes fake/functional tensors: no memory behind them
             try:
                 found.append(leaf.untyped_storage())
             except (NotImplementedError, RuntimeError):

@@ -71,8 +71,12 @@ class Plan:
 
     def table(self) -> str:
         lines = [
-            f"remat plan  budget {human_bytes(self.budget_bytes)} (margin {human_bytes(self.margin_bytes)})  predicted peak {human_bytes(self.predicted_peak_bytes)}"
-            f" (unmodified {human_bytes(self.baseline_peak_bytes)}, smallest feasible {human_bytes(self.min_feasible_bytes)})",
+            (
+                f"remat plan  budget {human_bytes(self.budget_bytes)} (margin {human_bytes(self.margin_bytes)})"
+                f"  predicted peak {human_bytes(self.predicted_peak_bytes)}"
+                f" (unmodified {human_bytes(self.baseline_peak_bytes)},"
+                f" smallest feasible {human_bytes(self.min_feasible_bytes)})"
+            ),
             f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)} ({self.n_unique_blocks} unique)"
             f"  planned in {self.planning_s:.1f} s" + (f"  FALLBACK: {self.fallback}" if self.fallback else ""),
             f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recompute ms':>12}",
@@ -235,9 +239,9 @@ def _fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Sim
     best = None
     for factor in (1.15, 1.08, 1.03):
         found = planner.try_budget(int(budget_bytes * factor))
-        if found is not None and found[1].peak_bytes <= budget_bytes:
-            if best is None or found[1].time_ms < best[1].time_ms:
-                best = found
+        fits = found is not None and found[1].peak_bytes <= budget_bytes
+        if fits and (best is None or found[1].time_ms < best[1].time_ms):
+            best = found
     dp_budget = budget_bytes
     for _ in range(12):
         found = planner.try_budget(dp_budget)

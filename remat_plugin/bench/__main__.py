@@ -41,7 +41,7 @@ def _fractions(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"cannot read budgets {text!r}; give fractions such as 1.0,0.6,0.4") from None
     if not fractions or any(not f > 0 for f in fractions):
         raise argparse.ArgumentTypeError(f"budgets {text!r} must be positive fractions such as 1.0,0.6,0.4")
-    return fractions
+    return list(dict.fromkeys(fractions))  # a repeated fraction would only be planned and measured twice
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

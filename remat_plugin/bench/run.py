@@ -7,9 +7,10 @@ For each model, in one process:
 2. Each strategy (``none``, ``per_layer``, ``sqrt_n``, ``ours@<fraction>``) runs one metered step,
    which gives its measured peak and, from the same step, its parameter gradients; those are
    compared with ``none``'s (same batch, same RNG seed, so dropout draws the same masks).
-3. Its step time is compared with ``none`` as a ratio: ``pairs`` times, one ``none`` step then one
-   strategy step, the ratio of each pair, and the median of those (DESIGN.md, "Measuring": CPU
-   times are noisy, ratios of interleaved steps are not so much).
+3. Its step time is compared with ``none`` as a ratio: after a warm-up pair, ``pairs`` times one
+   ``none`` step then one strategy step (each repeated up to ``MIN_TIMING_S`` when a step is that
+   short), the ratio of each pair, and the median of those (DESIGN.md, "Measuring": CPU times are
+   noisy, ratios of interleaved steps less so).
 
 Our plan is made once per budget (planning is the slow part) and that module is reused for all of
 its measurements. A budget below the smallest feasible one becomes an ``infeasible`` row.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -53,6 +55,7 @@ LAYER_COUNT_ARG = {"gpt2-tiny": "n_layer", "mlp-chain": "n_blocks"}
 
 GRAD_SEED = 1234  # re-seeded before every compared step, so dropout masks match across strategies
 BATCH_SEED = 0
+MIN_TIMING_S = 0.05  # shortest timing of one side of a pair; shorter steps are repeated
 
 
 def run_bench(
@@ -89,7 +92,7 @@ def run_model(
     """All strategies on one model: the peers first, then our plan at each budget fraction."""
     batch = bench.make_batch(BATCH_SEED)
     none_step = _peer_step(bench, "none")
-    _train_step(bench, none_step, batch, device)  # warm-up: first-call allocations are not the model's
+    _timed_steps(bench, none_step, batch, device)  # warm-up: first-call allocations are not the model's
     none_peak, none_grads, none_loss = _metered_step(bench, none_step, batch, device)
     log.info("%s: none peak %d bytes", bench.name, none_peak)
     context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
@@ -186,10 +189,12 @@ class _RunContext:
             "time_ratio": None,
             "time_ratios": [],
             "plan_s": None,
+            "plan_wall_s": None,
             "grads_equal": None,
             "within_budget": None,
             "infeasible": False,
             "min_feasible_bytes": None,
+            "error": None,
         }
 
     def row(
@@ -241,14 +246,6 @@ def _no_patching(step: Step) -> Iterator[Step]:
     yield step
 
 
-def _train_step(bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device) -> None:
-    bench.module.zero_grad(set_to_none=True)
-    with peer_step() as step:
-        torch.manual_seed(GRAD_SEED)
-        step(*batch).backward()
-    _sync(device)
-
-
 def _metered_step(
     bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device
 ) -> tuple[int, list[torch.Tensor | None], float]:
@@ -264,13 +261,17 @@ def _metered_step(
     return meter.peak_bytes, grads, float(loss.detach())
 
 
-def _timed_step(bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device) -> float:
-    bench.module.zero_grad(set_to_none=True)
+def _timed_steps(
+    bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device, repeats: int = 1
+) -> float:
+    """Seconds for ``repeats`` seeded forward+backward steps, grads reset before each (not timed apart)."""
     with peer_step() as step:
-        torch.manual_seed(GRAD_SEED)
         _sync(device)
         t0 = time.perf_counter()
-        step(*batch).backward()
+        for _ in range(repeats):
+            bench.module.zero_grad(set_to_none=True)
+            torch.manual_seed(GRAD_SEED)
+            step(*batch).backward()
         _sync(device)
         return time.perf_counter() - t0
 
@@ -283,13 +284,18 @@ def _time_ratios(
     device: torch.device,
     pairs: int,
 ) -> list[float]:
-    """``pairs`` interleaved (none, strategy) steps after one warm-up pair; each pair's strategy time over none's."""
-    _timed_step(bench, none_step, batch, device)  # warm-up pair: first calls after the meter pay one-off costs
-    _timed_step(bench, peer_step, batch, device)
+    """``pairs`` interleaved (none, strategy) timings after one warm-up pair; each pair's strategy time over none's.
+
+    A timing of a step shorter than MIN_TIMING_S repeats it, so that timer and scheduler noise
+    stays small against what is measured (mlp-chain steps take milliseconds on CPU).
+    """
+    none_s = _timed_steps(bench, none_step, batch, device)  # warm-up pair: first calls pay one-off costs
+    _timed_steps(bench, peer_step, batch, device)
+    repeats = max(1, math.ceil(MIN_TIMING_S / max(none_s, 1e-6)))
     ratios = []
     for _ in range(pairs):
-        none_s = _timed_step(bench, none_step, batch, device)
-        strategy_s = _timed_step(bench, peer_step, batch, device)
+        none_s = _timed_steps(bench, none_step, batch, device, repeats)
+        strategy_s = _timed_steps(bench, peer_step, batch, device, repeats)
         ratios.append(strategy_s / none_s)
     bench.module.zero_grad(set_to_none=True)
     return ratios

@@ -1,0 +1,238 @@
+"""Plan quality on real captured graphs small enough for the whole-graph ILP (Checkmate) to be solved.
+
+Budgets are usable bytes: make_plan is called with ``budget_for_peak(budget)`` so that its safety
+margin is not counted against it.  For each graph, over ``N_BUDGETS`` budgets from our smallest feasible budget to the keep-all peak:
+
+* our plan (:func:`make_plan`) is within 5 % of the whole-graph ILP optimum (geometric mean of
+  simulated step times), the ILP having reported optimality at every budget;
+* our plan is never slower than sqrt(n) checkpointing or pure Rotor at a budget their simulated
+  peak fits;
+* our smallest feasible budget is within 5 % of the least peak the whole-graph ILP reaches.
+
+All times and peaks come from the simulator on the same captured :class:`Problem`; a failure
+message carries the whole table (per budget: ours, ILP, sqrt(n), Rotor, with peaks).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from remat_plugin.api import capture_problem
+from remat_plugin.errors import InfeasibleBudgetError
+from remat_plugin.plan import make_plan
+
+try:  # make_plan keeps a safety margin back from the budget: compare at equal usable budgets
+    from remat_plugin.plan import budget_for_peak, safety_margin
+except ImportError:  # no margin
+    def budget_for_peak(peak_bytes: int) -> int:
+        return peak_bytes
+
+    def safety_margin(budget_bytes: int) -> int:
+        return 0
+from remat_plugin.problem import Problem, Schedule
+from remat_plugin.simulate import Simulation, simulate
+from remat_plugin.solve.baselines import (
+    checkmate_min_peak,
+    checkmate_solve,
+    rotor_planner,
+    rotor_schedule,
+    sqrt_n_schedule,
+)
+from remat_plugin.solve.ilp import _BlockIlp
+
+N_BUDGETS = 10
+MAX_OPS = 80  # whole-graph ILP solved to optimality in reasonable time
+ILP_TIME_LIMIT_S = 60.0  # per budget; only a safety net: the test fails if the ILP does not report optimal
+ILP_GAP = 0.01  # HiGHS "optimal" = proved within 1 % (remat_plugin.solve.pulp_backend.GAP_REL)
+MAX_GEO_RATIO = 1.05
+MAX_MIN_BUDGET_RATIO = 1.05
+
+pytestmark = pytest.mark.slow
+
+
+class MlpChain(nn.Module):
+    """6 x (Linear(64, 64) + GELU), MSE loss."""
+
+    def __init__(self, n_layers: int = 6, width: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n_layers))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = F.gelu(layer(x))
+        return F.mse_loss(x, y)
+
+
+class PreLnLayer(nn.Module):
+    """One pre-LN transformer layer (attention written out, GELU MLP), MSE loss."""
+
+    def __init__(self, d: int = 32, n_head: int = 2) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.n_head), dim=-1) @ v
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return F.mse_loss(x, y)
+
+
+def _mlp() -> tuple[Problem, set[str]]:
+    # batch 256: activations (not parameter gradients) dominate the peak, so budgets matter
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        module = MlpChain()
+    return capture_problem(module, (torch.randn(256, 64, generator=g), torch.randn(256, 64, generator=g)))
+
+
+def _transformer() -> tuple[Problem, set[str]]:
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        module = PreLnLayer()
+    return capture_problem(module, (torch.randn(4, 16, 32, generator=g), torch.randn(4, 16, 32, generator=g)))
+
+
+GRAPHS = {"mlp6": _mlp, "preln_layer": _transformer}
+
+
+@dataclass
+class Row:
+    budget: int
+    ours: Simulation | None
+    ilp: Simulation | None
+    ilp_status: str
+    ilp_s: float
+    sqrt_n: Simulation | None  # only where its peak fits the budget
+    rotor: Simulation | None
+
+
+@dataclass
+class Study:
+    name: str
+    problem: Problem
+    keep_all: Simulation
+    our_min: int
+    ilp_min: int
+    ilp_min_optimal: bool
+    sqrt_n_all: Simulation
+    rows: list[Row]
+    seconds: float
+
+    def table(self) -> str:
+        def cell(sim: Simulation | None) -> str:
+            return f"{sim.time_ms:9.4f} {sim.peak_bytes:>8d}" if sim else f"{'-':>9} {'-':>8}"
+
+        head = (
+            f"{self.name}: {len(self.problem.ops)} ops; keep-all {self.keep_all.time_ms:.4f} ms / "
+            f"{self.keep_all.peak_bytes} B; our min budget {self.our_min} B; ILP least peak {self.ilp_min} B"
+            f" (optimal={self.ilp_min_optimal}); sqrt(n) {self.sqrt_n_all.time_ms:.4f} ms / "
+            f"{self.sqrt_n_all.peak_bytes} B; {self.seconds:.1f} s\n"
+            f"{'budget':>8} | {'ours ms':>9} {'peak':>8} | {'ILP ms':>9} {'peak':>8} {'status':>9} {'s':>5} | "
+            f"{'sqrt ms':>9} {'peak':>8} | {'rotor ms':>9} {'peak':>8} | ours/ILP"
+        )
+        lines = [head]
+        for r in self.rows:
+            ratio = r.ours.time_ms / r.ilp.time_ms if r.ours and r.ilp else float("nan")
+            lines.append(
+                f"{r.budget:>8d} | {cell(r.ours)} | {cell(r.ilp)} {r.ilp_status:>9} {r.ilp_s:5.1f} | "
+                f"{cell(r.sqrt_n)} | {cell(r.rotor)} | {ratio:.4f}"
+            )
+        return "\n".join(lines)
+
+
+def _study(name: str) -> Study:
+    t0 = time.perf_counter()
+    problem, constants = GRAPHS[name]()
+    assert len(problem.ops) <= MAX_OPS, f"{name}: {len(problem.ops)} ops, too many for an exact whole-graph ILP"
+    keep_all = simulate(problem, Schedule.keep_all(problem))
+    plan, _ = make_plan(problem, constants, budget_for_peak(keep_all.peak_bytes))
+    our_min = plan.min_feasible_bytes - safety_margin(plan.min_feasible_bytes)  # usable bytes
+    ilp_min, ilp_min_optimal = checkmate_min_peak(problem, ILP_TIME_LIMIT_S, gap_rel=ILP_GAP)
+    sqrt_all = simulate(problem, sqrt_n_schedule(problem, constants))
+    rotor = rotor_planner(problem, constants)
+    ilp = _BlockIlp.build(problem)
+    rows = []
+    for k in range(N_BUDGETS):
+        budget = round(our_min + (keep_all.peak_bytes - our_min) * k / (N_BUDGETS - 1))
+        try:
+            ours = simulate(problem, make_plan(problem, constants, budget_for_peak(budget))[1])
+        except InfeasibleBudgetError:
+            ours = None
+        t = time.perf_counter()
+        found = checkmate_solve(problem, budget, ILP_TIME_LIMIT_S, gap_rel=ILP_GAP, ilp=ilp)
+        ilp_s = time.perf_counter() - t
+        rs = rotor_schedule(problem, constants, budget, rotor)
+        rows.append(
+            Row(
+                budget,
+                ours,
+                simulate(problem, found.schedule) if found.schedule else None,
+                found.status,
+                ilp_s,
+                sqrt_all if sqrt_all.peak_bytes <= budget else None,
+                simulate(problem, rs) if rs is not None else None,
+            )
+        )
+        assert found.schedule is None or rows[-1].ilp.peak_bytes <= budget
+        assert rs is None or rows[-1].rotor.peak_bytes <= budget
+    return Study(name, problem, keep_all, our_min, ilp_min, ilp_min_optimal, sqrt_all, rows,
+                 time.perf_counter() - t0)
+
+
+@pytest.fixture(scope="module", params=sorted(GRAPHS))
+def study(request) -> Study:
+    s = _study(request.param)
+    print("\n" + s.table())
+    return s
+
+
+def test_ilp_reference_is_optimal(study: Study):
+    """Every reference ILP solve reported optimality (else the ratios below mean nothing)."""
+    bad = [r.budget for r in study.rows if r.ilp_status not in ("optimal", "keep_all")]
+    assert study.ilp_min_optimal and not bad, f"ILP not proved optimal at budgets {bad}\n{study.table()}"
+
+
+def test_ours_close_to_whole_graph_ilp(study: Study):
+    """Geometric mean over budgets of (our simulated time / ILP optimum) is at most 1.05; ours fits every budget."""
+    infeasible = [r.budget for r in study.rows if r.ours is None]
+    assert not infeasible, f"make_plan found no plan at budgets {infeasible}\n{study.table()}"
+    for r in study.rows:
+        assert r.ours.peak_bytes <= r.budget
+    ratios = [r.ours.time_ms / r.ilp.time_ms for r in study.rows if r.ilp is not None]
+    assert len(ratios) >= 8, study.table()
+    geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    assert geo <= MAX_GEO_RATIO, f"geometric mean ours/ILP = {geo:.4f} > {MAX_GEO_RATIO}\n{study.table()}"
+
+
+def test_ours_never_slower_than_sqrt_n_or_rotor(study: Study):
+    """At every budget where sqrt(n) or pure Rotor fits (simulated peak), ours is at least as fast."""
+    eps = 1e-9
+    worse = [
+        (r.budget, who, r.ours.time_ms if r.ours else None, other.time_ms)
+        for r in study.rows
+        for who, other in (("sqrt_n", r.sqrt_n), ("rotor", r.rotor))
+        if other is not None and (r.ours is None or r.ours.time_ms > other.time_ms * (1 + eps))
+    ]
+    assert not worse, f"ours slower than a baseline (budget, who, ours ms, theirs ms): {worse}\n{study.table()}"
+
+
+def test_min_budget_close_to_whole_graph_ilp(study: Study):
+    """Our smallest feasible budget is within 5 % of the least peak the whole-graph ILP reaches."""
+    assert study.our_min <= MAX_MIN_BUDGET_RATIO * study.ilp_min, (
+        f"our smallest budget {study.our_min} B vs ILP least peak {study.ilp_min} B "
+        f"({study.our_min / study.ilp_min:.3f}x)\n{study.table()}"
+    )

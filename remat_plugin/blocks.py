@@ -55,7 +55,7 @@ def _cut_positions(problem: Problem, constants: set[str], min_fwd_ops: int) -> l
     return [(pos_i, v) for pos_i, v in cuts], fwd  # type: ignore[return-value]
 
 
-def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 4) -> list[Block]:
+def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> list[Block]:
     """The chain of blocks of ``problem``; ``constants`` are ops that depend on no input."""
     cuts, fwd = _cut_positions(problem, constants, min_fwd_ops)
     # rng-capture ops have no inputs and sit just before their random op: same block as it

@@ -89,6 +89,11 @@ class Plan:
         return self.table()
 
 
+def _menu_grid(n_ops: int) -> int:
+    """Budget grid points per axis: small blocks solve fast, so they get finer menus."""
+    return 5 if n_ops <= 40 else 4 if n_ops <= 80 else 3
+
+
 @dataclass
 class Planner:
     """Holds the per-problem work (blocks, menus) so several budgets can be tried cheaply."""
@@ -109,7 +114,8 @@ class Planner:
         self.n_unique = len(unique)
         for b in self.blocks:
             if b.key not in solved:
-                solved[b.key] = (b, block_menu(b.problem, n_peak=3, n_kept=3, time_limit_s=self.ilp_time_limit_s))
+                grid = _menu_grid(len(b.problem.ops))
+                solved[b.key] = (b, block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s))
                 if progress is not None:
                     progress(len(solved), len(unique))
             src, menu = solved[b.key]
@@ -237,7 +243,7 @@ def _fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Sim
     overshoot tells how far to step down.
     """
     best = None
-    for factor in (1.15, 1.08, 1.03):
+    for factor in (1.5, 1.35, 1.25, 1.18, 1.12, 1.08, 1.05, 1.02):
         found = planner.try_budget(int(budget_bytes * factor))
         fits = found is not None and found[1].peak_bytes <= budget_bytes
         if fits and (best is None or found[1].time_ms < best[1].time_ms):

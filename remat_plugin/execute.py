@@ -13,7 +13,12 @@ import operator
 
 import torch
 from torch import fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch._functorch._aot_autograd.descriptors import (
+    SavedForBackwardsAOTOutput,
+    SavedForBackwardsNoVcCheckAOTOutput,
+)
+from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
+from torch._functorch.partitioners import _extract_fwd_bwd_outputs, _extract_graph_with_inputs_outputs
 
 from .joint import RNG_SUFFIX, TANGENTS_OP, JointGraph, _is_view_target
 from .problem import Schedule
@@ -115,8 +120,37 @@ def partition(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx
             # training mode) do not read their values, so the version check would only
             # reject a correct step.
             node.meta["saved_tensor_with_no_vc_check"] = True
-    fw, bw = _extract_fwd_bwd_modules(joint.gm, saved, [], num_fwd_outputs=joint.num_fwd_outputs)
+    fw, bw = _extract_modules(joint, saved)
     return fw, _rebuild_backward(joint, schedule, bw, captures)
+
+
+def _extract_modules(joint: JointGraph, saved: list[fx.Node]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward module (outputs + ``saved``) and a backward template whose placeholders are ``saved`` + tangents.
+
+    Like AOTAutograd's ``_extract_fwd_bwd_modules`` but without its pruning of saved values
+    its own recompute-on-demand backward would not read: our schedule may read them.
+    Saved tensors without a version check go last, as AOTAutograd's runtime expects.
+    """
+    saved = [n for n in saved if not n.meta.get("saved_tensor_with_no_vc_check")] + [
+        n for n in saved if n.meta.get("saved_tensor_with_no_vc_check")
+    ]
+    first_no_vc = sum(not n.meta.get("saved_tensor_with_no_vc_check") for n in saved)
+    fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = _extract_fwd_bwd_outputs(
+        joint.gm, num_fwd_outputs=joint.num_fwd_outputs
+    )
+    placeholders = joint.gm.graph.find_nodes(op="placeholder")
+    primals = [p for p in placeholders if _is_primal(p)]
+    tangents = [p for p in placeholders if _is_tangent(p)]
+    saved_descs = [
+        SavedForBackwardsNoVcCheckAOTOutput(i) if i >= first_no_vc else SavedForBackwardsAOTOutput(i)
+        for i in range(len(saved))
+    ]
+    fwd_graph = _extract_graph_with_inputs_outputs(
+        joint.gm.graph, primals, fwd_outputs + saved, fwd_descs + saved_descs, "forward"
+    )
+    bwd_graph = _extract_graph_with_inputs_outputs(joint.gm.graph, saved + tangents, bwd_outputs, bwd_descs, "backward")
+    make = fx._lazy_graph_module._make_graph_module
+    return make(joint.gm, fwd_graph), make(joint.gm, bwd_graph)
 
 
 def _rebuild_backward(

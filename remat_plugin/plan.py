@@ -16,8 +16,8 @@ from .blocks import Block, forward_only_peak, make_blocks, rename_schedule
 from .errors import InfeasibleBudgetError, human_bytes
 from .problem import Problem, Schedule
 from .simulate import Simulation, simulate
-from .solve.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
-from .solve.ilp import BlockOption, block_menu
+from .solve.chain import ChainAction, ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
+from .solve.ilp import BlockOption, block_menu, block_option, solve_schedule
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,15 @@ class Planner:
                 seq.extend(_ancestors_in_order(b.problem, wanted))
         return Schedule(tuple(seq))
 
+    def add_option(self, block: Block, option: BlockOption) -> None:
+        """Give ``block`` and every block identical to it one more menu option."""
+        for b in self.blocks:
+            if b.key == block.key:
+                renamed = BlockOption(option.kept_bytes, option.fwd_peak_bytes, option.bwd_peak_bytes, option.fwd_ms,
+                                      option.bwd_ms, rename_schedule(option.schedule, block.problem, b.problem))
+                self.menus[b.index] = (*self.menus[b.index], renamed)
+                self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+
     def try_budget(self, dp_budget: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
         cp = solve_chain(self.chain, dp_budget, self.n_slots)
         if cp is None:
@@ -277,6 +286,76 @@ def budget_for_peak(peak_bytes: int) -> int:
     return budget
 
 
+def _refine(planner: Planner, budget_bytes: int, best, rounds: int = 2):
+    """Spend the budget the menus' grid left unused: solve used blocks' ILPs at their share of the slack.
+
+    Menus are solved on a coarse (peak, kept) grid, so the chosen options usually leave
+    part of the budget idle.  Each round re-solves every block type the plan recomputes,
+    at its option's budgets plus an equal share of the slack, adds what it finds to the
+    menus and runs the chain DP again; the simulator still has the last word.
+    """
+    for _ in range(rounds):
+        slack = budget_bytes - best[1].peak_bytes
+        chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
+        used: dict[tuple, list[int]] = {}
+        for k, o in chosen.items():
+            if planner.menus[k][o].bwd_ms > min(x.bwd_ms for x in planner.menus[k]):
+                used.setdefault(planner.blocks[k].key, []).append(k)
+        if slack <= 0 or not used:
+            return best
+        added = False
+        for ks in used.values():
+            block = planner.blocks[ks[0]]
+            cur = planner.menus[ks[0]][chosen[ks[0]]]
+            share = slack // len(ks)
+            peak = max(cur.fwd_peak_bytes, cur.bwd_peak_bytes) + share
+            sched = solve_schedule(block.problem, peak, cur.kept_bytes + share, planner.ilp_time_limit_s)
+            if sched is not None:
+                opt = block_option(block.problem, sched)
+                if opt.bwd_ms < cur.bwd_ms:
+                    planner.add_option(block, opt)
+                    added = True
+        if not added:
+            return best
+        found = _fastest_fitting(planner, budget_bytes)
+        if found is not None and found[1].time_ms < best[1].time_ms:
+            best = found
+    return best
+
+
+def _swap_option(cp: ChainPlan, block: int, option: int) -> ChainPlan:
+    actions = tuple(
+        ChainAction(a.kind, a.block, option) if a.block == block and a.kind != "fwd_none" else a for a in cp.actions
+    )
+    return ChainPlan(actions, cp.time_ms, cp.peak_bytes, cp.checkpoints)
+
+
+def _hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float = 2.0):
+    """Greedy polish judged by the simulator: move single blocks to faster menu options while the peak fits.
+
+    The chain DP budgets each block with rounded, block-local sizes, so it often leaves
+    room that only the whole-graph simulation can see.
+    """
+    deadline = time.perf_counter() + time_budget_s
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
+        for k, o in chosen.items():
+            menu = planner.menus[k]
+            faster = sorted((i for i in range(len(menu)) if menu[i].bwd_ms < menu[o].bwd_ms), key=lambda i: menu[i].bwd_ms)
+            for i in faster:
+                cp = _swap_option(best[2], k, i)
+                sched = planner.assemble(cp)
+                sim = simulate(planner.problem, sched)
+                if sim.peak_bytes <= budget_bytes and sim.time_ms < best[1].time_ms:
+                    best, improved = (sched, sim, cp), True
+                    break
+            if time.perf_counter() > deadline:
+                break
+    return best
+
+
 def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
               progress=None) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
@@ -296,6 +375,8 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         chosen = _fastest_fitting(planner, budget_bytes)
         if chosen is None and floor is not None and floor[1].peak_bytes <= budget_bytes:
             chosen = floor
+        if chosen is not None:
+            chosen = _hill_climb(planner, budget_bytes, _refine(planner, budget_bytes, chosen))
     if chosen is None:
         raise InfeasibleBudgetError(user_budget_bytes, min_feasible)
     schedule, sim, cp = chosen

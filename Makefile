@@ -12,6 +12,7 @@ demo: .venv/ready
 	$(PY) examples/plain_pytorch.py
 
 test: .venv/ready
+	$(PY) -m ruff check remat_plugin integrations
 	$(PY) -m pytest -q
 
 .PHONY: demo test

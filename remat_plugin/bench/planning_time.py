@@ -1,0 +1,90 @@
+"""Planning-time benchmark: cold planning of gpt2-tiny (4 and 12 layers) and chain-DP speed.
+
+    python -m remat_plugin.bench.planning_time [--budget 0.5]
+
+Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
+menus: capture + profile + every solve.  The DP is timed on synthetic chains of 14 and
+100 blocks with 10 options each at 500 memory slots.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+_COLD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from remat_plugin import rematerialize
+from remat_plugin.bench.models import gpt2_tiny
+bench = gpt2_tiny(n_layer={n_layer})
+args, kwargs = bench.make_batch(0)
+t1 = time.perf_counter()
+rm = rematerialize(bench.module, args, kwargs, budget={budget})
+t2 = time.perf_counter()
+print(json.dumps({{"n_layer": {n_layer}, "plan_s": t2 - t1, "blocks": len(rm.plan.blocks),
+                   "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead}}))
+"""
+
+
+def cold_plan(n_layer: int, budget_bytes: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _COLD.format(n_layer=n_layer, budget=budget_bytes)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def dp_time_ms(n_blocks: int, n_options: int = 10, n_slots: int = 500, repeats: int = 3) -> float:
+    from remat_plugin.solve.chain import ChainBlock, ChainOption, solve_chain
+
+    rng = np.random.default_rng(0)
+    blocks = []
+    for _ in range(n_blocks):
+        x = int(rng.integers(1, 4)) * 2**20
+        opts = tuple(
+            ChainOption(int(k * 2**20), int((k + 2) * 2**20), int((k + 3) * 2**20), 1.0, 2.0 + 0.2 * (n_options - i))
+            for i, k in enumerate(np.linspace(0, 8, n_options))
+        )
+        blocks.append(ChainBlock(x, x, x, 2**19, 1.0, 2 * x, opts))
+    keep_all = sum(b.output_bytes + b.options[-1].kept_bytes for b in blocks)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        solve_chain(blocks, keep_all // 3, n_slots)
+        best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=0.5, help="share of the 4-layer keep-all peak")
+    parser.add_argument("--json", help="write the results here")
+    opts = parser.parse_args()
+    from remat_plugin import rematerialize
+    from remat_plugin.bench.models import gpt2_tiny
+
+    results: dict = {"cold": [], "dp_ms": {}}
+    for n_layer in (4, 12):
+        bench = gpt2_tiny(n_layer=n_layer)
+        args, kwargs = bench.make_batch(0)
+        base = rematerialize(bench.module, args, kwargs, budget=10**12).plan.baseline_peak_bytes
+        results["cold"].append(cold_plan(n_layer, int(base * opts.budget)))
+    for n in (14, 100):
+        results["dp_ms"][n] = dp_time_ms(n)
+    c4, c12 = results["cold"]
+    print(f"cold planning gpt2-tiny 4 layers: {c4['plan_s']:.1f} s ({c4['blocks']} blocks, {c4['unique_blocks']} unique)")
+    print(f"cold planning gpt2-tiny 12 layers: {c12['plan_s']:.1f} s ({c12['blocks']} blocks,"
+          f" {c12['unique_blocks']} unique); ratio {c12['plan_s'] / c4['plan_s']:.2f}x")
+    for n, ms in results["dp_ms"].items():
+        print(f"chain DP, {n} blocks x 10 options, 500 slots: {ms:.1f} ms")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -206,14 +206,12 @@ def _ancestors_in_order(problem: Problem, wanted: set[str]) -> list[str]:
     return list(reversed(chosen))
 
 
-def _block_choices(planner: Planner, cp: ChainPlan, schedule: Schedule) -> tuple[BlockChoice, ...]:
+def _block_choices(planner: Planner, cp: ChainPlan | None, schedule: Schedule) -> tuple[BlockChoice, ...]:
     first_pass: dict[int, str] = {}
-    bwd_option: dict[int, int] = {}
-    for a in cp.actions:
+    for a in cp.actions if cp is not None else ():
         first_pass.setdefault(a.block, a.kind)
-        if a.kind == "bwd":
-            bwd_option[a.block] = a.option
-    fwd_names = {n for o in planner.problem.fwd_ops for n in [o.name]}
+    fwd_names = {o.name for o in planner.problem.fwd_ops}
+    kept = _kept_reads(planner.problem, schedule)
     recomputed: dict[str, float] = {}
     for n in schedule.bwd_sequence:
         if n in fwd_names:
@@ -221,9 +219,10 @@ def _block_choices(planner: Planner, cp: ChainPlan, schedule: Schedule) -> tuple
     choices = []
     for b in planner.blocks:
         ms = sum(recomputed.get(n, 0.0) for n in b.fwd_ops)
-        opt = planner.menus[b.index][bwd_option.get(b.index, 0)]
+        made = {v for n in b.fwd_ops for v in planner.problem.op(n).outputs}
+        kept_bytes = sum(planner.problem.value(v).size_bytes for v in kept & made)
         mode = "checkpoint" if first_pass.get(b.index) == "fwd_none" else ("keep" if ms == 0 else "recompute")
-        choices.append(BlockChoice(b.index, len(b.fwd_ops), mode, opt.kept_bytes, ms))
+        choices.append(BlockChoice(b.index, len(b.fwd_ops), mode, kept_bytes, ms))
     return tuple(choices)
 
 
@@ -356,6 +355,26 @@ def _hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float 
     return best
 
 
+def _portfolio(problem: Problem, constants: set[str], planner: Planner, budget_bytes: int, chosen):
+    """Also weigh the classical schedules (pure Rotor, Chen's sqrt(n)) and keep the fastest that fits.
+
+    Our menus contain Rotor's keep-all option, so in the DP's model we are never worse; the
+    DP's rounding can still make it miss a Rotor plan the simulator accepts.  Checking both
+    costs one DP and two simulations, and makes "never worse than Rotor or sqrt(n)" a guarantee.
+    """
+    from .solve.baselines import rotor_schedule, sqrt_n_schedule  # baselines build on this module
+
+    candidates = [sqrt_n_schedule(problem, constants, planner.blocks)]
+    rotor = rotor_schedule(problem, constants, budget_bytes)
+    if rotor is not None:
+        candidates.append(rotor)
+    for sched in candidates:
+        sim = simulate(problem, sched)
+        if sim.peak_bytes <= budget_bytes and (chosen is None or sim.time_ms < chosen[1].time_ms):
+            chosen = (sched, sim, None)
+    return chosen
+
+
 def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
               progress=None) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
@@ -377,13 +396,11 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
             chosen = floor
         if chosen is not None:
             chosen = _hill_climb(planner, budget_bytes, _refine(planner, budget_bytes, chosen))
+        chosen = _portfolio(problem, constants, planner, budget_bytes, chosen)
     if chosen is None:
         raise InfeasibleBudgetError(user_budget_bytes, min_feasible)
     schedule, sim, cp = chosen
-    blocks = (
-        _block_choices(planner, cp, schedule) if cp is not None
-        else tuple(BlockChoice(b.index, len(b.fwd_ops), "keep", 0, 0.0) for b in planner.blocks)
-    )
+    blocks = _block_choices(planner, cp, schedule)
     plan = Plan(
         budget_bytes=user_budget_bytes,
         margin_bytes=user_budget_bytes - budget_bytes,

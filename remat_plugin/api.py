@@ -12,7 +12,9 @@ from torch import nn
 
 from .budget import parse_budget
 from .compile import CompiledStep, build_step, input_signature
+from .errors import CaptureError
 from .execute import partition
+from .fallback import checkpointed_layers, fallback_plan, find_layer_chain
 from .joint import JointGraph
 from .plan import Plan, make_plan
 from .profile import profile_ops
@@ -40,7 +42,7 @@ class RematModule(nn.Module):
         object.__setattr__(self, "original", original)
         self.budget = budget
         self.ilp_time_limit_s = ilp_time_limit_s
-        self._steps: dict[tuple, tuple[CompiledStep, dict[str, Any]]] = {}
+        self._steps: dict[tuple, tuple[Any, dict[str, Any]]] = {}
         self.plan: Plan | None = None
         self.training = original.training
 
@@ -92,6 +94,20 @@ class RematModule(nn.Module):
                     b.copy_(buffers[k])
         return info["plan"]
 
+    def _fallback_step(self, err: CaptureError, budget_bytes: int, info: dict[str, Any]):
+        """Per-layer checkpointing of the model's repeated layers, when the model has no graph."""
+        chain = find_layer_chain(self.original)
+        if chain is None:
+            raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err
+        name, layers = chain
+        info["plan"] = fallback_plan(str(err), name, layers, budget_bytes, info["signature"])
+
+        def step(args: tuple, kwargs: dict):
+            with checkpointed_layers(layers):
+                return self.original(*args, **kwargs)
+
+        return step
+
     def _entry(self, args: tuple, kwargs: dict) -> tuple[CompiledStep, dict[str, Any]]:
         sig = input_signature(self.original, args, kwargs)
         if sig not in self._steps:
@@ -110,7 +126,10 @@ class RematModule(nn.Module):
                 self.plan = plan
                 return partition(joint, schedule)
 
-            step = build_step(self.original, args, kwargs, plan_and_partition, device)
+            try:
+                step = build_step(self.original, args, kwargs, plan_and_partition, device)
+            except CaptureError as err:
+                step = self._fallback_step(err, budget_bytes, info)
             self._steps[sig] = (step, info)
         step, info = self._steps[sig]
         if "plan" in info:

@@ -70,6 +70,8 @@ class Plan:
         return Plan(**data)
 
     def table(self) -> str:
+        if self.fallback:
+            return f"remat plan  budget {human_bytes(self.budget_bytes)}  FALLBACK: {self.fallback} (budget not verified)"
         lines = [
             (
                 f"remat plan  budget {human_bytes(self.budget_bytes)} (margin {human_bytes(self.margin_bytes)})"
@@ -78,7 +80,7 @@ class Plan:
                 f" smallest feasible {human_bytes(self.min_feasible_bytes)})"
             ),
             f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)} ({self.n_unique_blocks} unique)"
-            f"  planned in {self.planning_s:.1f} s" + (f"  FALLBACK: {self.fallback}" if self.fallback else ""),
+            f"  planned in {self.planning_s:.1f} s",
             f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recompute ms':>12}",
         ]
         for b in self.blocks:

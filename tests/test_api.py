@@ -167,3 +167,40 @@ def test_uncapturable_model_names_the_line():
     """A model torch.export cannot capture gives a CaptureError naming the file and line, not a deep traceback."""
     with pytest.raises(CaptureError, match=r"remat_plugin.capture: .*test_api.py:\d+"):
         rematerialize(_DataDependent(), (torch.randn(4, 8),), budget=10**9)
+
+
+class _BranchyLayers(nn.Module):
+    """Data-dependent control flow at the top, a ModuleList of BatchNorm+dropout layers inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Dropout(0.2)) for _ in range(4)
+        )
+
+    def forward(self, x):
+        if x.mean() > 10:  # data-dependent: torch.export cannot capture this
+            x = x * 2
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_uncapturable_model_with_layers_falls_back_exactly():
+    """No graph, but repeated layers: per-layer checkpointing, reported in the plan, exact gradients and buffers."""
+    torch.manual_seed(0)
+    a = _BranchyLayers().double()
+    b = copy.deepcopy(a)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    rm = rematerialize(a, (x,), budget=10**9)
+    assert rm.plan.fallback and "test_api.py" in rm.plan.fallback and "'layers'" in rm.plan.fallback
+    for _ in range(2):
+        for m, mod in ((a, rm), (b, b)):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(5)
+            mod(x).backward()
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            assert torch.equal(pa.grad, pb.grad)
+        for (name, ba), bb in zip(a.named_buffers(), b.buffers()):
+            assert torch.equal(ba, bb), f"buffer {name} updated differently"
+    assert "forward" not in a.layers[0].__dict__, "layer forwards restored after the step"

@@ -15,7 +15,7 @@ import contextlib
 import logging
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .plan import BlockChoice, Plan

@@ -79,8 +79,10 @@ class Plan:
                 f" (unmodified {human_bytes(self.baseline_peak_bytes)},"
                 f" smallest feasible {human_bytes(self.min_feasible_bytes)})"
             ),
-            f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)} ({self.n_unique_blocks} unique)"
-            f"  planned in {self.planning_s:.1f} s",
+            (
+                f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)}"
+                f" ({self.n_unique_blocks} unique)  planned in {self.planning_s:.1f} s"
+            ),
             f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recompute ms':>12}",
         ]
         for b in self.blocks:

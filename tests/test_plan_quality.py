@@ -51,15 +51,11 @@ N_BUDGETS = 8
 MAX_OPS = 80  # whole-graph ILP solved to optimality in reasonable time
 ILP_TIME_LIMIT_S = 60.0  # per budget; only a safety net: the test fails if the ILP does not report optimal
 ILP_GAP = 0.01  # HiGHS "optimal" = proved within 1 % (remat_plugin.solve.pulp_backend.GAP_REL)
-# The issue's target is 1.05 on both graphs.  The MLP chain meets it; on the transformer
-# layer our block+chain plan measured 1.04-1.11 (its 4 blocks' menus cannot express some of
-# the whole-graph ILP's mixed keep/recompute schedules), so that graph is held to what we
-# reach, and the gap is stated in the issue note rather than hidden.
-MAX_GEO_RATIO = {"mlp6": 1.05, "preln_layer": 1.12}
-# Our smallest feasible budget vs the ILP's least peak: measured 1.52x (MLP) and 1.07x
-# (transformer): the chain DP's conservative, block-local accounting.  Held as a regression
-# bound, not a target.
-MAX_MIN_BUDGET_RATIO = {"mlp6": 1.6, "preln_layer": 1.12}
+MAX_GEO_RATIO = {"mlp6": 1.05, "preln_layer": 1.05}  # the issue's target (measured: 1.024 and 1.041)
+# Our smallest feasible budget vs the ILP's least peak: measured 1.35x (MLP) and 1.07x
+# (transformer): the chain DP's conservative, block-local accounting loses the tightest
+# schedules.  Held as a regression bound, not a target; the issue note states the gap.
+MAX_MIN_BUDGET_RATIO = {"mlp6": 1.4, "preln_layer": 1.1}
 
 pytestmark = pytest.mark.slow
 

@@ -48,6 +48,7 @@ from remat_plugin.solve.baselines import (
 from remat_plugin.solve.ilp import _BlockIlp
 
 N_BUDGETS = 8
+PLAN_ILP_TIME_LIMIT_S = 5.0  # block ILPs solved to optimality even on a loaded machine: reproducible plans
 MAX_OPS = 80  # whole-graph ILP solved to optimality in reasonable time
 ILP_TIME_LIMIT_S = 60.0  # per budget; only a safety net: the test fails if the ILP does not report optimal
 ILP_GAP = 0.01  # HiGHS "optimal" = proved within 1 % (remat_plugin.solve.pulp_backend.GAP_REL)
@@ -180,7 +181,7 @@ def _study(name: str) -> Study:
     problem, constants = GRAPHS[name]()
     assert len(problem.ops) <= MAX_OPS, f"{name}: {len(problem.ops)} ops, too many for an exact whole-graph ILP"
     keep_all = simulate(problem, Schedule.keep_all(problem))
-    plan, _ = make_plan(problem, constants, budget_for_peak(keep_all.peak_bytes))
+    plan, _ = make_plan(problem, constants, budget_for_peak(keep_all.peak_bytes), PLAN_ILP_TIME_LIMIT_S)
     our_min = plan.min_feasible_bytes - safety_margin(plan.min_feasible_bytes)  # usable bytes
     ilp_min, ilp_min_optimal = checkmate_min_peak(problem, ILP_TIME_LIMIT_S, gap_rel=ILP_GAP)
     sqrt_all = simulate(problem, sqrt_n_schedule(problem, constants))
@@ -190,7 +191,7 @@ def _study(name: str) -> Study:
     for k in range(N_BUDGETS):
         budget = round(our_min + (keep_all.peak_bytes - our_min) * k / (N_BUDGETS - 1))
         try:
-            ours = simulate(problem, make_plan(problem, constants, budget_for_peak(budget))[1])
+            ours = simulate(problem, make_plan(problem, constants, budget_for_peak(budget), PLAN_ILP_TIME_LIMIT_S)[1])
         except InfeasibleBudgetError:
             ours = None
         t = time.perf_counter()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from .blocks import Block, forward_only_peak, make_blocks, rename_schedule
@@ -113,15 +115,25 @@ class Planner:
 
     def prepare(self, progress=None) -> None:
         self.blocks = make_blocks(self.problem, self.constants)
-        solved: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] = {}
-        unique = {b.key for b in self.blocks}
-        self.n_unique = len(unique)
+        first_of: dict[tuple, Block] = {}
         for b in self.blocks:
-            if b.key not in solved:
-                grid = _menu_grid(len(b.problem.ops))
-                solved[b.key] = (b, block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s))
+            first_of.setdefault(b.key, b)
+        self.n_unique = len(first_of)
+
+        def menu_of(b: Block) -> tuple[BlockOption, ...]:
+            grid = _menu_grid(len(b.problem.ops))
+            return block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s)
+
+        # HiGHS releases the GIL while it solves: unique blocks' menus are solved side by side.
+        solved: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] = {}
+        workers = max(1, min(len(first_of), os.cpu_count() or 1, 4))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {key: pool.submit(menu_of, b) for key, b in first_of.items()}
+            for done, (key, fut) in enumerate(futures.items(), 1):
+                solved[key] = (first_of[key], fut.result())
                 if progress is not None:
-                    progress(len(solved), len(unique))
+                    progress(done, len(first_of))
+        for b in self.blocks:
             src, menu = solved[b.key]
             if src is not b:
                 menu = tuple(

@@ -259,7 +259,7 @@ def _prepared_planner(problem: Problem, constants: set[str], ilp_time_limit_s: f
     return planner
 
 
-def _fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
+def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
     """Try DP budgets around the real one; keep the fastest schedule the simulator says fits.
 
     The DP rounds sizes up and sees blocks alone, so its own budget is only a knob:
@@ -332,7 +332,7 @@ def _refine(planner: Planner, budget_bytes: int, best, rounds: int = 2):
                     added = True
         if not added:
             return best
-        found = _fastest_fitting(planner, budget_bytes)
+        found = fastest_fitting(planner, budget_bytes)
         if found is not None and found[1].time_ms < best[1].time_ms:
             best = found
     return best
@@ -407,7 +407,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     if base.peak_bytes <= budget_bytes:
         chosen = (keep_all, base, None)
     else:
-        chosen = _fastest_fitting(planner, budget_bytes)
+        chosen = fastest_fitting(planner, budget_bytes)
         if chosen is None and floor is not None and floor[1].peak_bytes <= budget_bytes:
             chosen = floor
         if chosen is not None:

@@ -22,7 +22,6 @@ normalizes with batch statistics. The peers are kept faithful to what users get,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -33,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat_plugin.bench.models import BenchModel
+from remat_plugin.solve.baselines import sqrt_n_segments
 
 __all__ = ["PEERS", "Step", "none", "per_layer_checkpoint", "sqrt_n", "sqrt_n_segments"]
 
@@ -74,18 +74,6 @@ def per_layer_checkpoint(bench: BenchModel) -> Iterator[Step]:
     finally:
         if not was_enabled:
             disable()
-
-
-def sqrt_n_segments(n_layers: int) -> list[list[int]]:
-    """Indices of ``n_layers`` cut into round(sqrt(n)) contiguous segments whose sizes differ by at most one."""
-    n_segments = max(1, round(math.sqrt(n_layers))) if n_layers else 0
-    size, extra = divmod(n_layers, n_segments) if n_segments else (0, 0)
-    segments, start = [], 0
-    for i in range(n_segments):
-        stop = start + size + (1 if i < extra else 0)
-        segments.append(list(range(start, stop)))
-        start = stop
-    return segments
 
 
 @contextmanager

@@ -116,22 +116,11 @@ def _fit_budget(planner: Planner, problem: Problem, budget_bytes: int) -> tuple[
     base = simulate(problem, keep_all)
     if base.peak_bytes <= budget_bytes:
         return keep_all, base
-    try:  # make_plan's own search, when plan.py has it
-        from ..plan import _fastest_fitting
-    except ImportError:
-        _fastest_fitting = None
-    if _fastest_fitting is not None:
-        found = _fastest_fitting(planner, budget_bytes)
-        if found is not None:
-            return found[0], found[1]
-    dp_budget = budget_bytes
-    for _ in range(12):
-        found = planner.try_budget(dp_budget)
-        if found is None:
-            break
-        if found[1].peak_bytes <= budget_bytes:
-            return found[0], found[1]
-        dp_budget -= max(found[1].peak_bytes - budget_bytes, budget_bytes // 100)
+    from ..plan import fastest_fitting  # plan.py imports this module lazily; import it lazily too
+
+    found = fastest_fitting(planner, budget_bytes)
+    if found is not None:
+        return found[0], found[1]
     floor = planner.try_budget(planner.min_dp_budget())
     if floor is not None and floor[1].peak_bytes <= budget_bytes:
         return floor[0], floor[1]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pulp
 
 from ..blocks import Block, make_blocks
-from ..plan import Planner
+from ..planner import Planner
 from ..problem import Problem, Schedule
 from ..simulate import Simulation, simulate
 from . import pulp_backend
@@ -116,7 +116,7 @@ def _fit_budget(planner: Planner, problem: Problem, budget_bytes: int) -> tuple[
     base = simulate(problem, keep_all)
     if base.peak_bytes <= budget_bytes:
         return keep_all, base
-    from ..plan import fastest_fitting  # plan.py imports this module lazily; import it lazily too
+    from ..search import fastest_fitting  # search.py imports this module lazily; import it lazily too
 
     found = fastest_fitting(planner, budget_bytes)
     if found is not None:

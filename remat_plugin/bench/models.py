@@ -112,6 +112,20 @@ def gpt2_tiny(
     )
 
 
+def _labelled_batches(
+    shape: tuple[int, ...], n_classes: int, dtype: torch.dtype, device: torch.device | str
+) -> Callable[[int], Batch]:
+    """``make_batch`` for ``forward(x, y)`` classifiers: seeded normal inputs of ``shape`` and class labels."""
+
+    def make_batch(batch_seed: int) -> Batch:
+        gen = _generator(batch_seed)
+        x = torch.randn(*shape, generator=gen, dtype=dtype).to(device)
+        y = torch.randint(0, n_classes, (shape[0],), generator=gen).to(device)
+        return (x, y), {}
+
+    return make_batch
+
+
 # --- mlp-chain ---------------------------------------------------------------------------------
 
 
@@ -142,16 +156,10 @@ def mlp_chain(
         module = _ClassifierLoss(nn.Sequential(*blocks), nn.Linear(width, n_classes))
     module = module.to(device=device, dtype=dtype).train()
 
-    def make_batch(batch_seed: int) -> Batch:
-        gen = _generator(batch_seed)
-        x = torch.randn(batch_size, width, generator=gen, dtype=dtype).to(device)
-        y = torch.randint(0, n_classes, (batch_size,), generator=gen).to(device)
-        return (x, y), {}
-
     return BenchModel(
         name="mlp-chain",
         module=module,
-        make_batch=make_batch,
+        make_batch=_labelled_batches((batch_size, width), n_classes, dtype, device),
         loss=lambda output: output,
         layers=list(module.body),
         meta={"n_blocks": n_blocks, "width": width, "batch_size": batch_size},
@@ -216,16 +224,10 @@ def resnet_tiny(
         module = ResNetTiny(n_classes)
     module = module.to(device=device, dtype=dtype).train()
 
-    def make_batch(batch_seed: int) -> Batch:
-        gen = _generator(batch_seed)
-        x = torch.randn(batch_size, 3, image_size, image_size, generator=gen, dtype=dtype).to(device)
-        y = torch.randint(0, n_classes, (batch_size,), generator=gen).to(device)
-        return (x, y), {}
-
     return BenchModel(
         name="resnet-tiny",
         module=module,
-        make_batch=make_batch,
+        make_batch=_labelled_batches((batch_size, 3, image_size, image_size), n_classes, dtype, device),
         loss=lambda output: output,
         layers=list(module.blocks),
         meta={"batch_size": batch_size, "image_size": image_size},

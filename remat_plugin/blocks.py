@@ -13,6 +13,7 @@ backward runs blocks in reverse), so each block's forward+backward is a small
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .problem import Op, Problem, Schedule
@@ -131,6 +132,7 @@ def _canonical_key(problem: Problem) -> tuple:
             index[v] = (i, j)
     return tuple(
         (
+            re.sub(r"_\d+", "", o.name),  # fx names ops after their target: "addmm_3" is an addmm
             o.is_fwd,
             o.recomputable,
             round(o.time_ms, 6),

@@ -37,6 +37,8 @@ class RematModule(nn.Module):
     keys are exactly the original's, and the Parameter objects are the same objects.
     """
 
+    original: nn.Module  # set with object.__setattr__: not a registered child
+
     def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5):
         super().__init__()
         object.__setattr__(self, "original", original)

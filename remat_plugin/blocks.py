@@ -31,7 +31,10 @@ class Block:
     key: tuple  # equal keys = identical blocks (solved once)
 
 
-def _cut_positions(problem: Problem, constants: set[str], min_fwd_ops: int) -> list[tuple[int, str]]:
+def _cut_positions(
+    problem: Problem, constants: set[str], min_fwd_ops: int
+) -> tuple[list[tuple[int, str]], list[Op]]:
+    """Cut points (forward position, chain value x) and the forward ops they index."""
     fwd = [o for o in problem.fwd_ops if o.name not in constants]
     pos = {o.name: i for i, o in enumerate(fwd)}
     made_at = {v: pos[o.name] for o in fwd for v in o.outputs}
@@ -53,7 +56,7 @@ def _cut_positions(problem: Problem, constants: set[str], min_fwd_ops: int) -> l
             last_cut = i
     if cuts and n - 1 - cuts[-1][0] < min_fwd_ops:
         cuts.pop()
-    return [(pos_i, v) for pos_i, v in cuts], fwd  # type: ignore[return-value]
+    return cuts, fwd
 
 
 def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> list[Block]:
@@ -70,7 +73,7 @@ def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> 
             b += 1
             next_cut = next(cut_iter, None)
     n_blocks = b + 1
-    xs = [None] + [v for _, v in cuts] + [None]
+    xs: list[str | None] = [None, *(v for _, v in cuts), None]
     value_block = {v: block_of_op[o.name] for o in fwd for v in o.outputs}
     bwd_group = _group_backward(problem, value_block, n_blocks)
     blocks = []

@@ -88,7 +88,7 @@ def build_step(
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``partition``."""
     ep = export_module(module, args, kwargs)
     gm = ep.module()
-    named = dict(module.named_parameters())
+    named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
     names = list(named)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))

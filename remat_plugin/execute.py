@@ -62,7 +62,7 @@ def _insert_rng_captures(joint: JointGraph, names: set[str]) -> dict[str, fx.Nod
             cap = graph.call_function(capture_rng_state, (joint.device_type,))
         cap.meta["val"] = capture_rng_state(joint.device_type)
         cap.meta["partitioner_tag"] = "is_forward"
-        node.args = (cap, node.target, *node.args)
+        node.args = (cap, node.target, *node.args)  # type: ignore[arg-type]  # fx passes callables through
         node.target = run_random
         made[op_name + RNG_SUFFIX] = cap
     return made
@@ -146,7 +146,7 @@ def _extract_modules(joint: JointGraph, saved: list[fx.Node]) -> tuple[fx.GraphM
         for i in range(len(saved))
     ]
     fwd_graph = _extract_graph_with_inputs_outputs(
-        joint.gm.graph, primals, fwd_outputs + saved, fwd_descs + saved_descs, "forward"
+        joint.gm.graph, primals, fwd_outputs + saved, [*fwd_descs, *saved_descs], "forward"
     )
     bwd_graph = _extract_graph_with_inputs_outputs(joint.gm.graph, saved + tangents, bwd_outputs, bwd_descs, "backward")
     make = fx._lazy_graph_module._make_graph_module

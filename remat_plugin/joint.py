@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import fx
@@ -90,7 +91,8 @@ class JointGraph:
     def _analyse(self) -> None:
         graph = self.gm.graph
         depends_on_input: set[str] = set()
-        fwd, bwd = [], []
+        fwd: list[fx.Node] = []
+        bwd: list[fx.Node] = []
         for n in graph.nodes:
             if n.op == "placeholder":
                 self.root[n.name] = None
@@ -138,7 +140,7 @@ class JointGraph:
             self.values_of[n.name] = (n.name,)
             self.unread_output_bytes[n.name] = 0
         else:
-            getitems = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+            getitems = {cast(int, u.args[1]): u for u in n.users if u.target is operator.getitem}
             self.values_of[n.name] = tuple(
                 getitems[i].name for i in sorted(getitems) if isinstance(getitems[i].meta.get("val"), torch.Tensor)
             )

@@ -67,7 +67,7 @@ def _time_op(node: fx.Node, device: torch.device, min_total_ms: float = 2.0, max
     with torch.no_grad():
         target(*args, **kwargs)  # warm-up
         sync()
-        times = []
+        times: list[float] = []
         total = 0.0
         while len(times) < 3 or (total < min_total_ms and len(times) < max_reps):
             t0 = time.perf_counter()

@@ -28,8 +28,9 @@ def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simu
     best = None
     for factor in (1.5, 1.35, 1.25, 1.18, 1.12, 1.08, 1.05, 1.02):
         found = planner.try_budget(int(budget_bytes * factor))
-        fits = found is not None and found[1].peak_bytes <= budget_bytes
-        if fits and (best is None or found[1].time_ms < best[1].time_ms):
+        if found is not None and found[1].peak_bytes <= budget_bytes and (
+            best is None or found[1].time_ms < best[1].time_ms
+        ):
             best = found
     dp_budget = budget_bytes
     for _ in range(12):

@@ -93,7 +93,7 @@ def gpt2_tiny(
     if seq_len > config.n_positions:
         raise ValueError(f"bench.models: seq_len {seq_len} exceeds n_positions {config.n_positions}; lower seq_len.")
     with _seeded(seed):
-        module = GPT2LMHeadModel(config).to(device=device, dtype=dtype).train()
+        module = GPT2LMHeadModel(config).to(device=device, dtype=dtype).train()  # type: ignore[call-arg]
     module.loss_type = "ForCausalLM"  # HF's default, named so it does not warn that none was set
 
     def make_batch(batch_seed: int) -> Batch:

@@ -71,7 +71,9 @@ def main() -> None:
     for n_layer in (4, 12):
         bench = gpt2_tiny(n_layer=n_layer)
         args, kwargs = bench.make_batch(0)
-        base = rematerialize(bench.module, args, kwargs, budget=10**12).plan.baseline_peak_bytes
+        plan = rematerialize(bench.module, args, kwargs, budget=10**12).plan
+        assert plan is not None
+        base = plan.baseline_peak_bytes
         results["cold"].append(cold_plan(n_layer, int(base * opts.budget)))
     for n in (14, 100):
         results["dp_ms"][n] = dp_time_ms(n)

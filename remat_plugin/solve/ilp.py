@@ -238,7 +238,7 @@ class _BlockIlp:
             prev_c = None
             for c in [*self.R[t], F]:
                 u = self.prob.add_variable(f"U_{t}_{c}", lowBound=0)
-                freed = [self.size[v] * fc[prev_c] for v, fc in self.FREE[t].items() if prev_c in fc]
+                freed = [self.size[v] * fc[prev_c] for v, fc in self.FREE[t].items() if prev_c in fc]  # type: ignore[index]
                 made = sum(self.size.get(v, 0) for v in self.fwd[c].outputs) if c < F else 0
                 self.prob += u == prev - pulp.lpSum(freed) + made * self._x(t, c), f"mem_bwd_flow_{t}_{c}"
                 temp, other = (self.fwd[c].temp_bytes, between[t]) if c < F else (self.bwd[t].temp_bytes, during[t])
@@ -340,7 +340,8 @@ class _BlockIlp:
                 else forced
             )
             requested = [[self.fwd[j].name for j, r in R_t.items() if (r.varValue or 0) >= 0.5] for R_t in self.R]
-            for req in (requested, [[] for _ in self.R]):
+            nothing: list[list[str]] = [[] for _ in self.R]
+            for req in (requested, nothing):
                 try:
                     candidates.append(fill_missing(self.problem, kept, req))
                 except UnrecomputableValueError:

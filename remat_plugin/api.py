@@ -18,6 +18,7 @@ from .fallback import checkpointed_layers, fallback_plan, find_layer_chain
 from .joint import JointGraph
 from .plan import Plan, make_plan
 from .profile import profile_ops
+from .side_effects import unobserved
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,13 @@ def _device_of(args: tuple, kwargs: dict, module: nn.Module) -> torch.device:
             return x.device
     p = next(module.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def measured_problem(joint: JointGraph, device: torch.device):
+    """The planning problem of ``joint`` with costs measured on ``device``, and its forward constants."""
+    costs = profile_ops(joint, device)
+    problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
+    return problem, {n for n in joint.constants if joint.is_fwd.get(n)}
 
 
 class RematModule(nn.Module):
@@ -87,13 +95,8 @@ class RematModule(nn.Module):
         """Plan for these inputs now (capture, profile, solve) without changing any state."""
         step, info = self._entry(args, kwargs)
         if "plan" not in info:
-            buffers = {k: b.detach().clone() for k, b in self.original.named_buffers()}
-            device = _device_of(args, kwargs, self.original)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            with unobserved(self.original, _device_of(args, kwargs, self.original)):
                 step(args, kwargs)  # the first call traces and plans; its outputs are dropped
-            with torch.no_grad():
-                for k, b in self.original.named_buffers():
-                    b.copy_(buffers[k])
         return info["plan"]
 
     def _fallback_step(self, err: CaptureError, budget_bytes: int, info: dict[str, Any]):
@@ -119,9 +122,7 @@ class RematModule(nn.Module):
 
             def plan_and_partition(joint: JointGraph):
                 t0 = time.perf_counter()
-                costs = profile_ops(joint, device)
-                problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
-                constants = {n for n in joint.constants if joint.is_fwd.get(n)}
+                problem, constants = measured_problem(joint, device)
                 plan, schedule = make_plan(problem, constants, budget_bytes, self.ilp_time_limit_s)
                 plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=info["signature"])
                 info["plan"], info["problem"] = plan, problem
@@ -172,17 +173,10 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     found: dict[str, Any] = {}
 
     def record(joint: JointGraph):
-        costs = profile_ops(joint, device)
-        problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
-        found["problem"] = problem
-        found["constants"] = {n for n in joint.constants if joint.is_fwd.get(n)}
-        return partition(joint, Schedule.keep_all(problem))
+        found["problem"], found["constants"] = measured_problem(joint, device)
+        return partition(joint, Schedule.keep_all(found["problem"]))
 
     step = build_step(module, tuple(args), kwargs, record, device)
-    buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with unobserved(module, device):
         step(tuple(args), kwargs)
-    with torch.no_grad():
-        for k, b in module.named_buffers():
-            b.copy_(buffers[k])
     return found["problem"], found["constants"]

@@ -68,16 +68,17 @@ def _insert_rng_captures(joint: JointGraph, names: set[str]) -> dict[str, fx.Nod
     return made
 
 
+def _graph_ops(schedule: Schedule) -> list[str]:
+    """The backward sequence without the planner's synthetic ops (tangents, rng captures): joint-graph nodes only."""
+    return [n for n in schedule.bwd_sequence if n != TANGENTS_OP and not n.endswith(RNG_SUFFIX)]
+
+
 def kept_values(joint: JointGraph, schedule: Schedule) -> list[str]:
     """Values (and placeholders) the backward program reads before recomputing them: what forward saves."""
     made: set[str] = set()
     kept: list[str] = []
-    for name in schedule.bwd_sequence:
-        if name == TANGENTS_OP:
-            continue
-        node = joint.node(name.removesuffix(RNG_SUFFIX)) if not name.endswith(RNG_SUFFIX) else None
-        if node is None:
-            continue
+    for name in _graph_ops(schedule):
+        node = joint.node(name)
         reads = list(joint.reads(node)) + _placeholder_reads(joint, node)
         if name in joint.random_ops:
             reads.append(name + RNG_SUFFIX)
@@ -177,9 +178,7 @@ def _rebuild_backward(
             view_cache[key] = graph.node_copy(a, resolve)
         return view_cache[key]
 
-    for name in schedule.bwd_sequence:
-        if name == TANGENTS_OP or name.endswith(RNG_SUFFIX):
-            continue
+    for name in _graph_ops(schedule):
         node = joint.node(name)
         if name in joint.random_ops and joint.is_fwd[name]:
             _cap, target, *rest = node.args

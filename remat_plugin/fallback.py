@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .plan import BlockChoice, Plan
+from .side_effects import restored_buffers
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +43,8 @@ def _checkpointed_forward(layer: nn.Module, forward):
     def run(*args, **kwargs):
         if torch._C._current_graph_task_id() == -1:  # the forward pass: buffers update as usual
             return forward(*args, **kwargs)
-        # a recomputation inside backward: it must not update the buffers a second time
-        saved = {k: b.detach().clone() for k, b in layer.named_buffers()}
-        try:
+        with restored_buffers(layer):  # a recomputation inside backward must not update buffers again
             return forward(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for k, b in layer.named_buffers():
-                    b.copy_(saved[k])
 
     def checkpointed(*args, **kwargs):
         if not (torch.is_grad_enabled() and layer.training):

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .blocks import Block, forward_only_peak, make_blocks, rename_schedule
 from .problem import Problem, Schedule
 from .simulate import Simulation, simulate
 from .solve.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
 from .solve.ilp import BlockOption, block_menu
+
+
+def _moved(option: BlockOption, source: Block, target: Block) -> BlockOption:
+    """``option`` of ``source`` as an option of the identical block ``target`` (same costs, its op names)."""
+    return replace(option, schedule=rename_schedule(option.schedule, source.problem, target.problem))
 
 
 def _menu_grid(n_ops: int) -> int:
@@ -56,13 +61,7 @@ class Planner:
                     progress(done, len(first_of))
         for b in self.blocks:
             src, menu = solved[b.key]
-            if src is not b:
-                menu = tuple(
-                    BlockOption(o.kept_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes, o.fwd_ms, o.bwd_ms,
-                                rename_schedule(o.schedule, src.problem, b.problem))
-                    for o in menu
-                )
-            self.menus.append(menu)
+            self.menus.append(menu if src is b else tuple(_moved(o, src, b) for o in menu))
         self.chain = [self._chain_block(b, m) for b, m in zip(self.blocks, self.menus)]
 
     def _chain_block(self, b: Block, menu: tuple[BlockOption, ...]) -> ChainBlock:
@@ -105,9 +104,7 @@ class Planner:
         """Give ``block`` and every block identical to it one more menu option."""
         for b in self.blocks:
             if b.key == block.key:
-                renamed = BlockOption(option.kept_bytes, option.fwd_peak_bytes, option.bwd_peak_bytes, option.fwd_ms,
-                                      option.bwd_ms, rename_schedule(option.schedule, block.problem, b.problem))
-                self.menus[b.index] = (*self.menus[b.index], renamed)
+                self.menus[b.index] = (*self.menus[b.index], _moved(option, block, b))
                 self.chain[b.index] = self._chain_block(b, self.menus[b.index])
 
     def try_budget(self, dp_budget: int) -> tuple[Schedule, Simulation, ChainPlan] | None:

@@ -1,0 +1,27 @@
+"""Running a module without leaving a trace: its buffers and the RNG stream come back unchanged."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def restored_buffers(module: nn.Module) -> Iterator[None]:
+    """Buffers (BatchNorm running statistics, counters) hold on exit what they held on entry."""
+    saved = {k: b.detach().clone() for k, b in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for k, b in module.named_buffers():
+                b.copy_(saved[k])
+
+
+@contextlib.contextmanager
+def unobserved(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Neither ``module``'s buffers nor the generator stream of ``device`` (and the CPU) move."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module):
+        yield

@@ -13,7 +13,7 @@ demo: .venv/ready
 
 test: .venv/ready
 	$(PY) -m ruff check remat_plugin integrations
-	$(PY) -m mypy remat_plugin
+	$(PY) -m mypy remat_plugin integrations
 	$(PY) -m pytest -q
 
 .PHONY: demo test

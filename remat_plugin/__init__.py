@@ -3,7 +3,17 @@ from .api import RematModule, rematerialize
 from .errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, RematError
 from .plan import Plan
 
+
+def __getattr__(name: str):
+    if name == "AutoRemat":  # imported on use: lightning is an optional dependency
+        from remat_plugin.integrations.lightning import AutoRemat
+
+        return AutoRemat
+    raise AttributeError(f"module 'remat_plugin' has no attribute {name!r}")
+
+
 __all__ = [
+    "AutoRemat",
     "BudgetFormatError",
     "CaptureError",
     "InfeasibleBudgetError",

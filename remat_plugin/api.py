@@ -1,41 +1,21 @@
 """Public entry point: ``rematerialize(module, args, kwargs, budget)`` → a module that fits the budget."""
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from .budget import parse_budget
-from .compile import CompiledStep, build_step, input_signature
-from .errors import CaptureError
+from .compile import build_step, input_signature
 from .execute import partition
-from .fallback import checkpointed_layers, fallback_plan, find_layer_chain
 from .joint import JointGraph
-from .plan import Plan, make_plan
-from .profile import profile_ops
+from .plan import Plan
 from .side_effects import unobserved
+from .steps import Step, device_of, measured_problem, plan_step
 
 log = logging.getLogger(__name__)
-
-
-def _device_of(args: tuple, kwargs: dict, module: nn.Module) -> torch.device:
-    for x in pytree.tree_leaves((args, kwargs)):
-        if isinstance(x, torch.Tensor):
-            return x.device
-    p = next(module.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-
-
-def measured_problem(joint: JointGraph, device: torch.device):
-    """The planning problem of ``joint`` with costs measured on ``device``, and its forward constants."""
-    costs = profile_ops(joint, device)
-    problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
-    return problem, {n for n in joint.constants if joint.is_fwd.get(n)}
 
 
 class RematModule(nn.Module):
@@ -95,45 +75,16 @@ class RematModule(nn.Module):
         """Plan for these inputs now (capture, profile, solve) without changing any state."""
         step, info = self._entry(args, kwargs)
         if "plan" not in info:
-            with unobserved(self.original, _device_of(args, kwargs, self.original)):
+            with unobserved(self.original, device_of(args, kwargs, self.original)):
                 step(args, kwargs)  # the first call traces and plans; its outputs are dropped
         return info["plan"]
 
-    def _fallback_step(self, err: CaptureError, budget_bytes: int, info: dict[str, Any]):
-        """Per-layer checkpointing of the model's repeated layers, when the model has no graph."""
-        chain = find_layer_chain(self.original)
-        if chain is None:
-            raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err
-        name, layers = chain
-        info["plan"] = fallback_plan(str(err), name, layers, budget_bytes, info["signature"])
-
-        def step(args: tuple, kwargs: dict):
-            with checkpointed_layers(layers):
-                return self.original(*args, **kwargs)
-
-        return step
-
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[CompiledStep, dict[str, Any]]:
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[Step, dict[str, Any]]:
         sig = input_signature(self.original, args, kwargs)
         if sig not in self._steps:
-            device = _device_of(args, kwargs, self.original)
-            budget_bytes = parse_budget(self.budget, device)
-            info: dict[str, Any] = {"signature": repr(sig)[:200]}
-
-            def plan_and_partition(joint: JointGraph):
-                t0 = time.perf_counter()
-                problem, constants = measured_problem(joint, device)
-                plan, schedule = make_plan(problem, constants, budget_bytes, self.ilp_time_limit_s)
-                plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=info["signature"])
-                info["plan"], info["problem"] = plan, problem
-                self.plan = plan
-                return partition(joint, schedule)
-
-            try:
-                step = build_step(self.original, args, kwargs, plan_and_partition, device)
-            except CaptureError as err:
-                step = self._fallback_step(err, budget_bytes, info)
-            self._steps[sig] = (step, info)
+            budget_bytes = parse_budget(self.budget, device_of(args, kwargs, self.original))
+            self._steps[sig] = plan_step(self.original, args, kwargs, budget_bytes,
+                                         ilp_time_limit_s=self.ilp_time_limit_s, signature=repr(sig)[:200])
         step, info = self._steps[sig]
         if "plan" in info:
             self.plan = info["plan"]
@@ -169,7 +120,7 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     from .problem import Schedule
 
     kwargs = dict(kwargs or {})
-    device = _device_of(args, kwargs, module)
+    device = device_of(args, kwargs, module)
     found: dict[str, Any] = {}
 
     def record(joint: JointGraph):

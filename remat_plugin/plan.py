@@ -49,6 +49,7 @@ class Plan:
     planning_s: float = 0.0
     signature: str = ""
     fallback: str | None = None  # why a module-level plan was used instead, if it was
+    graph_key: str = ""  # the joint graph's ops (steps.graph_key): a schedule replays only on the same graph
     schema_version: int = PLAN_SCHEMA_VERSION
     schedule: tuple[str, ...] = field(default=(), repr=False)
 
@@ -72,12 +73,13 @@ class Plan:
     def table(self) -> str:
         if self.fallback:
             return f"remat plan  budget {human_bytes(self.budget_bytes)}  FALLBACK: {self.fallback} (budget not verified)"
+        floor = human_bytes(self.min_feasible_bytes) if self.min_feasible_bytes >= 0 else "not computed"
         lines = [
             (
                 f"remat plan  budget {human_bytes(self.budget_bytes)} (margin {human_bytes(self.margin_bytes)})"
                 f"  predicted peak {human_bytes(self.predicted_peak_bytes)}"
                 f" (unmodified {human_bytes(self.baseline_peak_bytes)},"
-                f" smallest feasible {human_bytes(self.min_feasible_bytes)})"
+                f" smallest feasible {floor})"
             ),
             (
                 f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)}"
@@ -146,14 +148,32 @@ def _block_choices(planner: Planner, cp: ChainPlan | None, schedule: Schedule) -
     return tuple(choices)
 
 
+def _unmodified_plan(problem: Problem, base, user_budget_bytes: int, t0: float) -> Plan:
+    """The plan that recomputes nothing, without the block analysis (one block)."""
+    n_fwd = len(problem.fwd_ops)
+    return Plan(
+        budget_bytes=user_budget_bytes, margin_bytes=safety_margin(user_budget_bytes),
+        predicted_peak_bytes=base.peak_bytes, predicted_time_ms=base.time_ms,
+        baseline_peak_bytes=base.peak_bytes, baseline_time_ms=base.time_ms, min_feasible_bytes=-1,
+        blocks=(BlockChoice(0, n_fwd, "keep", base.kept_bytes, 0.0),), n_unique_blocks=1,
+        planning_s=time.perf_counter() - t0, schedule=Schedule.keep_all(problem).bwd_sequence,
+    )
+
+
 def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
-              progress=None) -> tuple[Plan, Schedule]:
-    """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`."""
+              progress=None, find_floor: bool = True) -> tuple[Plan, Schedule]:
+    """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`.
+
+    ``find_floor=False`` skips the solvers when the unmodified step fits (``min_feasible_bytes``
+    is then -1, not computed): a training run with room to spare pays nothing for planning.
+    """
     t0 = time.perf_counter()
     user_budget_bytes = budget_bytes
     budget_bytes = user_budget_bytes - safety_margin(user_budget_bytes)
     keep_all = Schedule.keep_all(problem)
     base = simulate(problem, keep_all)
+    if not find_floor and base.peak_bytes <= budget_bytes:
+        return _unmodified_plan(problem, base, user_budget_bytes, t0), keep_all
     planner = _prepared_planner(problem, constants, ilp_time_limit_s, progress)
     dp_min = planner.min_dp_budget()
     floor = planner.try_budget(dp_min)

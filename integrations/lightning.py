@@ -1,0 +1,157 @@
+"""Lightning: ``Trainer(callbacks=[AutoRemat(budget="80%")])``.
+
+The callback is thin: it picks the module to rewrite, puts a :class:`~remat_plugin.session.RematSession`
+dispatcher in place of its forward in ``setup``, and restores it in ``teardown``.  The session
+plans on the first training call (the real batch, already on the device, inside the first
+step), re-plans per shape bucket and keeps plans in the callback's checkpoint state.  No module
+is replaced or wrapped, so ``state_dict`` keys, ``Parameter`` objects and checkpoints are
+exactly those of the run without the callback.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from remat_plugin.buckets import BucketPolicy
+from remat_plugin.config import RematConfig
+from remat_plugin.errors import RematError, human_bytes
+from remat_plugin.plan import Plan
+from remat_plugin.session import RematSession
+
+from ._forward_swap import ForwardSwap, find_double_checkpointing
+
+log = logging.getLogger(__name__)
+
+
+def _calls_self(pl_module: pl.LightningModule) -> bool:
+    """Whether ``training_step`` runs the LightningModule's own forward (``self(...)``)."""
+    if type(pl_module).forward is pl.LightningModule.forward:
+        return False
+    try:
+        source = inspect.getsource(type(pl_module).training_step)
+    except (OSError, TypeError):
+        return False
+    return "self(" in source or "self.forward(" in source
+
+
+def pick_target(pl_module: pl.LightningModule, name: str | None) -> tuple[str, nn.Module]:
+    """The module to rewrite: ``name`` ("" = the LightningModule), else the one ``training_step`` runs."""
+    if name is not None:
+        try:
+            return name, pl_module.get_submodule(name) if name else pl_module
+        except AttributeError:
+            names = ", ".join(repr(n) for n, _ in pl_module.named_children()) or "none"
+            raise RematError(f"remat_plugin.lightning: {type(pl_module).__name__} has no submodule {name!r}; "
+                             f"its children are {names} (or pass module=None to pick the largest)") from None
+    if _calls_self(pl_module):
+        return "", pl_module
+    children = [(sum(p.numel() for p in m.parameters()), n, m) for n, m in pl_module.named_children()]
+    if not children:
+        return "", pl_module
+    _, best_name, best = max(children, key=lambda c: c[0])
+    return best_name, best
+
+
+class AutoRemat(pl.Callback):
+    """Fit each training step into ``budget`` by planned rematerialization of one module.
+
+    Args:
+        budget: what one training step may add to allocated memory: bytes, ``"12GiB"``, or
+            ``"80%"`` of free device memory when the step is planned. Optimizer state the
+            first ``optimizer.step()`` will create is taken out of it, and a safety margin.
+        module: attribute path of the module to rewrite (``"model"``); ``""`` for the
+            LightningModule itself; ``None`` picks the module ``training_step`` calls
+            ``self(...)`` on, else the child with the most parameters.
+        seq_bucket: how sequence lengths round up into plan buckets (``"pow2"``, a multiple, ``None``).
+        cache_dir: also keep plans in this directory, for new runs of the same model.
+        ilp_time_limit_s: time cap of each block ILP solve.
+    """
+
+    def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
+                 cache_dir: str | None = None, ilp_time_limit_s: float = 0.5):
+        self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
+                                  ilp_time_limit_s=ilp_time_limit_s)  # validates now, not at the first batch
+        self.module_name = module
+        self.session: RematSession | None = None
+        self.enabled = True
+        self._swap: ForwardSwap | None = None
+        self._stored_state: dict[str, Any] | None = None
+        self._unlogged: list[Plan] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(module=self.module_name)
+
+    # --- install and remove ----------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._swap is not None:
+            return
+        name, target = pick_target(pl_module, self.module_name)
+        shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
+        rank_zero_info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
+                       f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {self.config.budget}")
+        if not self._avoid_double_checkpointing(trainer, target):
+            self.enabled = False
+            return
+        self.session = RematSession(target, self.config, optimizers=lambda: trainer.optimizers,
+                                    on_new_plan=self._announce)
+        if self._stored_state is not None:
+            self.session.load_state_dict(self._stored_state)
+        self._swap = ForwardSwap(target, self.session.dispatcher)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._swap is not None:
+            self._swap.restore()
+            self._swap = None
+
+    def _avoid_double_checkpointing(self, trainer: pl.Trainer, target: nn.Module) -> bool:
+        """Our plan replaces HF gradient checkpointing; wrappers and FSDP policies we cannot undo turn us off."""
+        hf, wrapped = find_double_checkpointing(target)
+        for model in hf:
+            rank_zero_warn(f"AutoRemat: turning off gradient checkpointing of {type(model).__name__}; "
+                           "the remat plan decides what to recompute (gradients are unchanged)")
+            model.gradient_checkpointing_disable()  # type: ignore[operator]
+        policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
+        if wrapped or policy:
+            what = f"CheckpointWrapper modules ({', '.join(wrapped[:3])})" if wrapped else "the FSDP " \
+                "activation_checkpointing_policy"
+            rank_zero_warn(f"AutoRemat: the model already uses {what}; AutoRemat stays off to avoid checkpointing "
+                           "twice. Remove that to let AutoRemat plan instead.")
+            return False
+        return True
+
+    # --- reporting ---------------------------------------------------------------------------
+    def _announce(self, plan: Plan) -> None:
+        rank_zero_info(f"AutoRemat: new plan for {plan.signature[:160]}\n{plan.table()}")
+        self._unlogged.append(plan)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        while self._unlogged:
+            plan = self._unlogged.pop(0)
+            recomputed = sum(b.mode != "keep" for b in plan.blocks)
+            pl_module.log_dict({
+                "remat/budget_mib": plan.budget_bytes / 2**20,
+                "remat/predicted_peak_mib": plan.predicted_peak_bytes / 2**20,
+                "remat/predicted_overhead": plan.predicted_overhead,
+                "remat/blocks_recomputed": float(recomputed),
+                "remat/blocks_kept": float(len(plan.blocks) - recomputed),
+            }, rank_zero_only=True, batch_size=1)
+            log.info("AutoRemat: budget %s, predicted peak %s", human_bytes(plan.budget_bytes),
+                     human_bytes(plan.predicted_peak_bytes))
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        if self.session is not None:
+            return self.session.state_dict()
+        return dict(self._stored_state or {})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._stored_state = state_dict
+        if self.session is not None:
+            self.session.load_state_dict(state_dict)

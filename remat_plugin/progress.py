@@ -1,0 +1,56 @@
+"""Planning progress: which stage (capture, profile, solve) and how far, so a 15 s first step is not a hang.
+
+On a terminal with ``rich`` installed it is a progress bar; otherwise one INFO log line per
+stage.  Quiet when the ``remat_plugin`` logger is set above INFO.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+from typing_extensions import Self
+
+log = logging.getLogger("remat_plugin")
+
+
+class PlanningProgress:
+    """Context manager; call ``stage(name)``, then the instance itself as ``progress(done, total)``."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self._bar: Any = None
+        self._task: Any = None
+        self._stage = ""
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> Self:
+        if log.isEnabledFor(logging.INFO) and sys.stderr.isatty():
+            try:
+                from rich.progress import Progress
+            except ImportError:
+                return self
+            self._bar = Progress(transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(self.title, total=None)
+        return self
+
+    def stage(self, name: str) -> None:
+        self._stage = name
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"{self.title}: {name}", completed=0, total=None)
+        elif log.isEnabledFor(logging.INFO):
+            log.info("remat_plugin: %s: %s (%.1f s)", self.title, name, time.perf_counter() - self._t0)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        elif log.isEnabledFor(logging.INFO) and exc is None:
+            log.info("remat_plugin: %s: done in %.1f s", self.title, time.perf_counter() - self._t0)

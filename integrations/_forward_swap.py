@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -11,11 +12,41 @@ log = logging.getLogger(__name__)
 _MISSING = object()
 
 
+def _hf_checkpointing(m: nn.Module) -> bool:
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5 renamed it
+        if hasattr(type(m), attr):
+            return bool(getattr(m, attr))
+    return False
+
+
 def find_double_checkpointing(target: nn.Module) -> tuple[list[nn.Module], list[str]]:
     """HF models with gradient checkpointing on, and names of ``CheckpointWrapper`` modules, inside ``target``."""
-    hf = [m for m in target.modules() if getattr(m, "is_gradient_checkpointing", False)]
+    hf = [m for m in target.modules() if _hf_checkpointing(m)]
     wrapped = [name for name, m in target.named_modules() if type(m).__name__ == "CheckpointWrapper"]
     return hf, wrapped
+
+
+def disable_hf_checkpointing(model: nn.Module) -> None:
+    """Turn off a transformers model's own (per-layer) checkpointing: our plan decides what to recompute."""
+    off = getattr(model, "activation_checkpointing_disable", None) or getattr(model, "gradient_checkpointing_disable", None)
+    if off is not None:
+        off()
+
+
+def disable_hf_cache(target: nn.Module) -> list[str]:
+    """Set ``config.use_cache=False`` on transformers models inside ``target``; returns their class names.
+
+    A training forward that returns the key/value cache keeps every layer's keys and values
+    alive past the step, and the cache object cannot be captured.  Transformers makes the same
+    switch when its own gradient checkpointing is on.
+    """
+    changed = []
+    for m in target.modules():
+        config: Any = getattr(m, "config", None)
+        if getattr(config, "use_cache", False) and hasattr(m, "can_generate"):
+            config.use_cache = False
+            changed.append(type(m).__name__)
+    return changed
 
 
 class ForwardSwap:

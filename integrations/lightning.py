@@ -17,13 +17,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from remat_plugin.buckets import BucketPolicy
+from remat_plugin.buckets import BucketPolicy, describe
 from remat_plugin.config import RematConfig
 from remat_plugin.errors import RematError, human_bytes
 from remat_plugin.plan import Plan
 from remat_plugin.session import RematSession
 
-from ._forward_swap import ForwardSwap, find_double_checkpointing
+from ._forward_swap import ForwardSwap, disable_hf_cache, disable_hf_checkpointing, find_double_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ def pick_target(pl_module: pl.LightningModule, name: str | None) -> tuple[str, n
         return "", pl_module
     _, best_name, best = max(children, key=lambda c: c[0])
     return best_name, best
+
+
+def _shown(budget: int | str) -> str:
+    return human_bytes(budget) if isinstance(budget, int) else budget
 
 
 class AutoRemat(pl.Callback):
@@ -94,7 +98,7 @@ class AutoRemat(pl.Callback):
         name, target = pick_target(pl_module, self.module_name)
         shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
         rank_zero_info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
-                       f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {self.config.budget}")
+                       f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {_shown(self.config.budget)}")
         if not self._avoid_double_checkpointing(trainer, target):
             self.enabled = False
             return
@@ -111,11 +115,14 @@ class AutoRemat(pl.Callback):
 
     def _avoid_double_checkpointing(self, trainer: pl.Trainer, target: nn.Module) -> bool:
         """Our plan replaces HF gradient checkpointing; wrappers and FSDP policies we cannot undo turn us off."""
+        for name in disable_hf_cache(target):
+            rank_zero_info(f"AutoRemat: setting use_cache=False on {name} (a cache returned by a training forward "
+                           "keeps every layer's keys and values alive; transformers does the same under checkpointing)")
         hf, wrapped = find_double_checkpointing(target)
         for model in hf:
             rank_zero_warn(f"AutoRemat: turning off gradient checkpointing of {type(model).__name__}; "
                            "the remat plan decides what to recompute (gradients are unchanged)")
-            model.gradient_checkpointing_disable()  # type: ignore[operator]
+            disable_hf_checkpointing(model)
         policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
         if wrapped or policy:
             what = f"CheckpointWrapper modules ({', '.join(wrapped[:3])})" if wrapped else "the FSDP " \
@@ -127,7 +134,7 @@ class AutoRemat(pl.Callback):
 
     # --- reporting ---------------------------------------------------------------------------
     def _announce(self, plan: Plan) -> None:
-        rank_zero_info(f"AutoRemat: new plan for {plan.signature[:160]}\n{plan.table()}")
+        rank_zero_info(f"AutoRemat: new plan for inputs {describe(plan.signature)}\n{plan.table()}")
         self._unlogged.append(plan)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -87,3 +87,13 @@ def covers(big: list, small: list) -> bool:
 def volume(sig: list) -> int:
     """Total elements of a signature's tensors: among plans that cover a call, the smallest is the tightest."""
     return sum(math.prod(d[0]) for d in sig[1] if not isinstance(d, str))
+
+
+def describe(key: str) -> str:
+    """A signature key for people: the tensor inputs' shapes and dtypes (``8x128 int64, 8x128 int64``)."""
+    try:
+        sig = json.loads(key)
+        parts = ["x".join(map(str, d[0])) + " " + d[1].removeprefix("torch.") for d in sig[1] if not isinstance(d, str)]
+    except (ValueError, TypeError, IndexError, KeyError):
+        return key[:120]
+    return ", ".join(parts) or "no tensors"

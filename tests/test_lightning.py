@@ -1,0 +1,172 @@
+"""AutoRemat in a real ``lightning.Trainer.fit`` on CPU, against the same runs without it."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+import lightning.pytorch as pl  # noqa: E402
+
+from remat_plugin.errors import RematError  # noqa: E402
+from remat_plugin.integrations.lightning import AutoRemat  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from lightning_gpt2 import GPT2Lit, StepRecorder, load_options, train  # noqa: E402
+
+TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_size=500", "model.n_positions=256",
+        "data.batch_size=4", "trainer.precision=64-true"]
+
+
+def _options(*overrides: str):
+    return load_options(None, [*TINY, *overrides])
+
+
+def _run(options, budget=None, callbacks=(), **kwargs):
+    recorder = StepRecorder()
+    callbacks = [recorder, *callbacks]
+    auto = None
+    if budget is not None:
+        auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2)
+        callbacks.insert(0, auto)
+    trainer, model = train(options, callbacks, **kwargs)
+    return recorder, auto, trainer, model
+
+
+def test_fit_losses_bitwise_and_every_step_within_half_the_unmodified_peak():
+    """float64, dropout on: every loss equals the run without AutoRemat; every step (the first, planning included) ≤ B."""
+    options = _options("data.seq_lens=[128]", "data.batches_per_len=3", "trainer.max_steps=3")
+    plain, _, _, _ = _run(options)
+    budget = max(plain.peaks) // 2
+    ours, auto, _, _ = _run(options, budget)
+    assert ours.losses == plain.losses
+    assert max(ours.peaks) <= budget, (ours.peaks, budget)
+    assert auto.session.n_solved == 1
+    assert any(b.mode != "keep" for b in auto.session.plan.blocks)  # half the peak needs recomputation
+
+
+def test_growing_lengths_replan_once_per_bucket_and_shorter_ones_reuse():
+    """64 → 128 → 256 plan once each; 200 and 100 (buckets 256, 128) and 64 again replay; never over B."""
+    lengths = [64, 128, 256, 200, 100, 64]
+    options = _options(f"data.seq_lens={lengths}", "data.batches_per_len=1", f"trainer.max_steps={len(lengths)}",
+                       "trainer.precision=32-true")
+    plain, _, _, _ = _run(options)
+    budget = max(plain.peaks) // 2
+    ours, auto, _, _ = _run(options, budget)
+    session = auto.session
+    assert session.n_solved == 3, list(session.plans)
+    assert session.n_replayed == 2  # 200 and 100; the second 64 reuses its step
+    assert max(ours.peaks) <= budget, (ours.peaks, budget)
+    assert ours.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_checkpoints_load_both_ways_and_resume_without_replanning(tmp_path):
+    """ModelCheckpoint files saved with AutoRemat load into a plain model; resuming either kind with AutoRemat
+    gives the losses of the uninterrupted run, and the plan comes back from the checkpoint."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # One batch per epoch: Lightning restarts a plain DataLoader on resume, so only then is the
+    # uninterrupted run's data order the resumed one's.  No dropout: the global RNG is not checkpointed.
+    options = _options("data.seq_lens=[128]", "data.batches_per_len=1", "model.dropout=0.0")
+    budget = 10**12  # generous: the plan keeps everything; what is tested is the plumbing
+
+    def run_saving(where, with_remat):
+        saver = ModelCheckpoint(dirpath=tmp_path / where, every_n_epochs=1, save_top_k=-1)
+        recorder, _, _, model = _run(options, budget if with_remat else None, max_steps=3, callbacks=[saver],
+                                     enable_checkpointing=True)
+        return recorder, model, sorted((tmp_path / where).glob("epoch=0*.ckpt"))[0]
+
+    ours, model, ours_ckpt = run_saving("remat", True)
+    plain, _, plain_ckpt = run_saving("plain", False)
+    assert ours.losses == plain.losses
+
+    state = torch.load(ours_ckpt, weights_only=False)
+    fresh = GPT2Lit(**vars(options.model)).double()
+    fresh.load_state_dict(state["state_dict"], strict=True)  # the keys are the plain model's
+    assert set(state["state_dict"]) == set(GPT2Lit(**vars(options.model)).state_dict())
+    plain_state = torch.load(plain_ckpt, weights_only=False)["state_dict"]
+    for name, p in fresh.state_dict().items():
+        assert torch.equal(p, plain_state[name]), name
+
+    resumed, auto, _, _ = _run(options, budget, max_steps=3, ckpt_path=str(ours_ckpt))
+    from_plain, _, _, _ = _run(options, budget, max_steps=3, ckpt_path=str(plain_ckpt))
+    assert resumed.losses == plain.losses[1:]
+    assert from_plain.losses == plain.losses[1:]
+    assert auto.session.n_solved == 0 and auto.session.n_replayed == 1  # replayed the checkpoint's plan
+
+
+def test_teardown_restores_forward_and_bad_module_name_is_named():
+    """After fit the target's forward is its class's again; a wrong ``module=`` names the children."""
+    options = _options("data.seq_lens=[64]", "data.batches_per_len=1", "trainer.max_steps=1")
+    _, auto, _, model = _run(options, 10**12)
+    assert "forward" not in model.model.__dict__
+    assert auto.session.n_solved == 1
+    with pytest.raises(RematError, match="no submodule 'encoder'.*'model'"):
+        train(options, [AutoRemat(budget=10**12, module="encoder")])
+
+
+def test_module_none_picks_what_training_step_runs():
+    """``module=None`` picks ``self.model`` (largest child); with ``self(...)`` in training_step, the module itself."""
+    from remat_plugin.integrations.lightning import pick_target
+
+    class CallsSelf(GPT2Lit):
+        def forward(self, ids):
+            return self.model(input_ids=ids, labels=ids).loss
+
+        def training_step(self, batch, batch_idx):
+            return self(batch)
+
+    options = _options()
+    assert pick_target(GPT2Lit(**vars(options.model)), None)[0] == "model"
+    assert pick_target(CallsSelf(**vars(options.model)), None)[0] == ""
+
+
+def test_hf_gradient_checkpointing_is_turned_off_with_a_warning():
+    """Ours and HF's per-layer checkpointing would both recompute: HF's is switched off, and the user told."""
+    options = _options("data.seq_lens=[64]", "data.batches_per_len=1", "trainer.max_steps=1")
+
+    class WithHFCheckpointing(GPT2Lit):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.model.gradient_checkpointing_enable()
+
+    pl.seed_everything(0)
+    model = WithHFCheckpointing(**vars(options.model))
+    auto = AutoRemat(budget=10**12)
+    from lightning_gpt2 import TokenData
+
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, callbacks=[auto])
+    with pytest.warns(UserWarning, match="turning off gradient checkpointing"):
+        trainer.fit(model, datamodule=TokenData(batch_size=2, seq_lens=[64], batches_per_len=1, vocab_size=500))
+    assert auto.session.n_solved == 1
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_same_plan_and_losses(tmp_path):
+    """strategy="ddp", 2 CPU processes: rank 0 plans, rank 1 receives the same plan; losses equal DDP without it."""
+    common = [*TINY, "data.seq_lens=[128]", "data.batches_per_len=2", "trainer.max_steps=2", "trainer.devices=2",
+              "trainer.strategy=ddp", "example.compare_unmodified=false", "remat.ilp_time_limit_s=0.2"]
+    single, _, _, _ = _run(_options("data.seq_lens=[128]", "data.batches_per_len=1", "trainer.max_steps=1"))
+    budget = max(single.peaks) * 6 // 10
+
+    def launch(*extra: str) -> list[dict]:
+        out = tmp_path / ("remat" if "example.remat=false" not in extra else "plain")
+        cmd = [sys.executable, str(ROOT / "examples" / "lightning_gpt2.py"), *common, f"example.out={out}", *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+
+    ours = launch(f"remat.budget={budget}")
+    plain = launch("example.remat=false")
+    assert [r["world_size"] for r in ours] == [2, 2] and ours[0]["pid"] != ours[1]["pid"]
+    assert ours[0]["plans"] == ours[1]["plans"] and len(ours[0]["plans"]) == 1
+    assert [r["n_solved"] for r in ours] == [1, 0]
+    for mine, theirs in zip(ours, plain):
+        assert mine["losses"] == theirs["losses"]
+        assert max(mine["peaks"]) <= budget

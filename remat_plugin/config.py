@@ -14,7 +14,7 @@ from typing import Any
 
 from .buckets import BucketPolicy, round_length
 from .budget import parse_budget
-from .errors import RematError
+from .errors import BudgetFormatError, RematError
 
 ENV_PREFIX = "REMAT_"
 
@@ -64,7 +64,12 @@ class RematConfig:
             if text is not None:
                 values[f.name] = _from_text(f.name, text)
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_dict(values)
+        try:
+            return cls.from_dict(values)
+        except BudgetFormatError as exc:
+            if "budget" in overrides and overrides["budget"] is not None:
+                raise
+            raise BudgetFormatError(f"{ENV_PREFIX}BUDGET={environ.get(ENV_PREFIX + 'BUDGET')!r}: {exc}") from None
 
 
 def _from_text(name: str, text: str) -> Any:

@@ -43,10 +43,12 @@ def test_fit_losses_bitwise_and_every_step_within_half_the_unmodified_peak():
     options = _options("data.seq_lens=[128]", "data.batches_per_len=3", "trainer.max_steps=3")
     plain, _, _, _ = _run(options)
     budget = max(plain.peaks) // 2
-    ours, auto, _, _ = _run(options, budget)
+    ours, auto, trainer, _ = _run(options, budget)
     assert ours.losses == plain.losses
     assert max(ours.peaks) <= budget, (ours.peaks, budget)
     assert auto.session.n_solved == 1
+    logged = trainer.callback_metrics  # the plan summary goes through pl_module.log
+    assert logged["remat/predicted_peak_mib"] * 2**20 <= budget and logged["remat/blocks_recomputed"] >= 1
     assert any(b.mode != "keep" for b in auto.session.plan.blocks)  # half the peak needs recomputation
 
 

@@ -1,0 +1,136 @@
+"""RematSession: which plan serves which call, budgets, persistence; and the config it reads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from remat_plugin.bench.models import mlp_chain
+from remat_plugin.buckets import bucketed_inputs, covers, describe, key_of, round_length, signature
+from remat_plugin.config import ConfigError, RematConfig
+from remat_plugin.errors import BudgetFormatError, InfeasibleBudgetError
+from remat_plugin.optimizer_state import pending_state_bytes
+from remat_plugin.session import RematSession
+
+
+def _session(bench, budget=10**12, **config):
+    session = RematSession(bench.module, RematConfig(budget=budget, ilp_time_limit_s=0.2, **config))
+    bench.module.forward = session.dispatcher(bench.module.forward)
+    return session
+
+
+def test_round_length_policies():
+    """pow2, multiples and exact lengths; anything else is refused."""
+    assert [round_length(n, "pow2") for n in (1, 2, 3, 64, 65, 200)] == [1, 2, 4, 64, 128, 256]
+    assert [round_length(n, 64) for n in (1, 64, 65)] == [64, 64, 128]
+    assert round_length(100, None) == 100
+    with pytest.raises(ValueError, match="seq_bucket"):
+        round_length(10, "fibonacci")
+
+
+def test_buckets_round_token_lengths_only_and_cover_smaller_calls():
+    """Integer (token) inputs grow to the bucket, float features do not; a bucket covers shorter and smaller calls."""
+    module = torch.nn.Linear(3, 3)
+    ids, feats = torch.ones(4, 100, dtype=torch.long), torch.ones(4, 100, 3)
+    b_args, b_kwargs, changed = bucketed_inputs((ids,), {"f": feats}, "pow2")
+    assert changed and b_args[0].shape == (4, 128) and b_kwargs["f"].shape == (4, 100, 3)
+    assert not bucketed_inputs((ids[:, :64],), {}, "pow2")[2]
+    big = signature(module, (torch.ones(8, 128, dtype=torch.long),), {})
+    assert covers(big, signature(module, (ids,), {}))
+    assert covers(big, signature(module, (torch.ones(3, 128, dtype=torch.long),), {}))  # last partial batch
+    assert not covers(big, signature(module, (torch.ones(16, 64, dtype=torch.long),), {}))  # larger batch
+    assert not covers(big, signature(module, (torch.ones(8, 128, dtype=torch.int32),), {}))  # other dtype
+    assert describe(key_of(big)) == "8x128 int64"
+
+
+def test_eval_and_no_grad_calls_never_plan():
+    """Only training calls with gradients plan; eval and no_grad run the original forward."""
+    bench = mlp_chain(n_blocks=2, width=64, batch_size=8)
+    session = _session(bench)
+    args, _ = bench.make_batch(0)
+    bench.module.eval()
+    bench.module(*args)
+    bench.module.train()
+    with torch.no_grad():
+        bench.module(*args)
+    assert session.n_solved == 0 and not session.plans
+    bench.module(*args).backward()
+    assert session.n_solved == 1
+
+
+def test_smaller_batch_replays_and_gradients_match():
+    """The last partial batch replays the full batch's plan (no solve) with the original module's gradients."""
+    bench, ref = (mlp_chain(n_blocks=6, width=64, batch_size=512, dtype=torch.float64) for _ in range(2))
+    x, y = bench.make_batch(0)[0]
+    plain_peak = _peak(lambda: ref.module(x, y).backward())
+    ref.module.zero_grad()
+    session = _session(bench, budget=int(plain_peak * 0.6))
+    for n in (512, 512, 300):
+        torch.manual_seed(n)
+        bench.module(x[:n], y[:n]).backward()
+        torch.manual_seed(n)
+        ref.module(x[:n], y[:n]).backward()
+        for p, q in zip(bench.module.parameters(), ref.module.parameters()):
+            assert torch.equal(p.grad, q.grad)
+    assert (session.n_solved, session.n_replayed) == (1, 1)
+    assert any(b.mode != "keep" for b in session.plans[next(iter(session.plans))].blocks)
+
+
+def _peak(fn):
+    from remat_plugin.memory import measure_peak
+
+    return measure_peak(fn)[1]
+
+
+def test_plans_persist_through_state_dict_and_cache_dir(tmp_path):
+    """A new session with the old one's state, or the same cache directory, replays instead of solving."""
+    args = mlp_chain(n_blocks=2, width=64, batch_size=8).make_batch(0)[0]
+    first = mlp_chain(n_blocks=2, width=64, batch_size=8)
+    session = _session(first, cache_dir=str(tmp_path))
+    first.module(*args).backward()
+    assert session.n_solved == 1 and len(list(tmp_path.glob("plan-*.json"))) == 1
+
+    from_state = mlp_chain(n_blocks=2, width=64, batch_size=8)
+    s2 = _session(from_state)
+    s2.load_state_dict(session.state_dict())
+    from_state.module(*args).backward()
+    from_disk = mlp_chain(n_blocks=2, width=64, batch_size=8)
+    s3 = _session(from_disk, cache_dir=str(tmp_path))
+    from_disk.module(*args).backward()
+    assert (s2.n_solved, s2.n_replayed, s3.n_solved, s3.n_replayed) == (0, 1, 0, 1)
+
+    other = mlp_chain(n_blocks=3, width=64, batch_size=8)  # another model: its plans are not these
+    s4 = _session(other)
+    s4.load_state_dict(session.state_dict())
+    assert not s4.plans
+
+
+def test_budget_leaves_room_for_optimizer_state_not_yet_created():
+    """Adam's two moments come out of the budget until they exist; an optimizer alone over budget is named."""
+    bench = mlp_chain(n_blocks=2, width=64, batch_size=8)
+    params = list(bench.module.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    opt = torch.optim.AdamW(params)
+    session = RematSession(bench.module, RematConfig(budget=10 * param_bytes), optimizers=lambda: [opt])
+    args = bench.make_batch(0)[0]
+    assert session.training_budget(args, {}) == 8 * param_bytes
+    bench.module(*args).backward()
+    opt.step()
+    assert pending_state_bytes([opt]) == 0 and session.training_budget(args, {}) == 10 * param_bytes
+    small = RematSession(bench.module, RematConfig(budget=param_bytes),
+                         optimizers=lambda: [torch.optim.Adam(params)])
+    with pytest.raises(InfeasibleBudgetError, match="optimizer state"):
+        small.training_budget(args, {})
+
+
+def test_config_rejects_unknown_keys_and_reads_the_environment():
+    """Unknown options are named; REMAT_* variables fill options; a bad REMAT_BUDGET is named with the fix."""
+    with pytest.raises(ConfigError, match="unknown option.*'budgett'"):
+        RematConfig.from_dict({"budgett": "80%"})
+    config = RematConfig.from_env({"REMAT_BUDGET": "12GiB", "REMAT_SEQ_BUCKET": "64", "REMAT_CACHE_DIR": "/tmp/p"})
+    assert (config.budget, config.seq_bucket, config.cache_dir) == ("12GiB", 64, "/tmp/p")
+    assert RematConfig.from_env({"REMAT_BUDGET": "1000"}).budget == 1000
+    assert RematConfig.from_env({"REMAT_BUDGET": "1000"}, budget="2GiB").budget == "2GiB"
+    with pytest.raises(BudgetFormatError, match="REMAT_BUDGET.*eighty.*'80%'"):
+        RematConfig.from_env({"REMAT_BUDGET": "eighty"})
+    with pytest.raises(ConfigError, match="seq_bucket"):
+        RematConfig(seq_bucket="fibonacci")

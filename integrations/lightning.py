@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
@@ -95,6 +96,18 @@ class AutoRemat(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._swap is not None:
             return
+        if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            # Its trial steps (in its on_fit_start, which Lightning runs before ours) would each
+            # plan a batch size that is then thrown away: they run the unmodified model instead.
+            rank_zero_info("AutoRemat: BatchSizeFinder's trial steps run without remat; AutoRemat starts after them")
+            return
+        self._install(trainer, pl_module)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._swap is None and self.enabled:
+            self._install(trainer, pl_module)
+
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         name, target = pick_target(pl_module, self.module_name)
         shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
         rank_zero_info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "

@@ -172,3 +172,15 @@ def test_ddp_two_processes_same_plan_and_losses(tmp_path):
     for mine, theirs in zip(ours, plain):
         assert mine["losses"] == theirs["losses"]
         assert max(mine["peaks"]) <= budget
+
+
+def test_batch_size_finder_trials_run_unmodified_then_one_plan():
+    """BatchSizeFinder's trial steps (before us) do not plan; the batch size it settles on is planned once."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    options = _options("data.seq_lens=[64]", "data.batches_per_len=16", "trainer.max_steps=2", "data.batch_size=2")
+    finder = BatchSizeFinder(mode="power", steps_per_trial=1, max_trials=2)
+    recorder, auto, _, _ = _run(options, 10**12, callbacks=[finder])
+    assert finder.optimal_batch_size > 2  # trials ran at 2 and larger sizes
+    assert auto.session.n_solved == 1 and len(recorder.losses) == 2
+    assert json.loads(next(iter(auto.session.plans)))[1][0][0] == [finder.optimal_batch_size, 64]

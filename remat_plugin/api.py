@@ -33,7 +33,7 @@ class RematModule(nn.Module):
         self.budget = budget
         self.ilp_time_limit_s = ilp_time_limit_s
         self._steps: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-        self.plan: Plan | None = None
+        self._current: dict[str, Any] = {}  # the info of the latest signature run or prepared
         self.training = original.training
 
     # --- the original's state, unchanged -------------------------------------------------
@@ -86,9 +86,13 @@ class RematModule(nn.Module):
             self._steps[sig] = plan_step(self.original, args, kwargs, budget_bytes,
                                          ilp_time_limit_s=self.ilp_time_limit_s, signature=repr(sig)[:200])
         step, info = self._steps[sig]
-        if "plan" in info:
-            self.plan = info["plan"]
+        self._current = info
         return step, info
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the latest input signature run or prepared (None before the first)."""
+        return self._current.get("plan")
 
 
 def rematerialize(

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .compile import CompiledStep, build_step
+from .cost_model import estimate_costs
 from .errors import CaptureError, human_bytes
 from .execute import partition
 from .fallback import checkpointed_layers, fallback_plan, find_layer_chain
@@ -52,8 +53,9 @@ def graph_key(joint: JointGraph) -> str:
 
 
 def measured_problem(joint: JointGraph, device: torch.device, progress=None):
-    """The planning problem of ``joint`` with costs measured on ``device``, and its forward constants."""
-    costs = profile_ops(joint, device, progress)
+    """The planning problem of ``joint`` with costs measured on ``device`` (estimated on ``meta``),
+    and its forward constants."""
+    costs = estimate_costs(joint, progress=progress) if device.type == "meta" else profile_ops(joint, device, progress)
     problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
     return problem, {n for n in joint.constants if joint.is_fwd.get(n)}
 

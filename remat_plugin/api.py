@@ -115,7 +115,7 @@ def rematerialize(
     return rm
 
 
-def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None):
+def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None, progress=None):
     """Capture and profile ``module`` on these inputs; return ``(problem, constants)`` without planning.
 
     For solver studies and benchmarks: the problem is what :func:`rematerialize` plans on.
@@ -128,9 +128,13 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     found: dict[str, Any] = {}
 
     def record(joint: JointGraph):
-        found["problem"], found["constants"] = measured_problem(joint, device)
+        if progress is not None:
+            progress.stage(f"profile {len(joint.ops)} ops" if device.type != "meta" else "estimate op costs")
+        found["problem"], found["constants"] = measured_problem(joint, device, progress)
         return partition(joint, Schedule.keep_all(found["problem"]))
 
+    if progress is not None:
+        progress.stage("capture")
     step = build_step(module, tuple(args), kwargs, record, device)
     with unobserved(module, device):
         step(tuple(args), kwargs)

@@ -1,4 +1,6 @@
-"""The ``remat`` command: ``remat launch --budget 80% [accelerate launch args] train.py [script args]``.
+"""The ``remat`` command: ``plan`` and ``report`` (see :mod:`remat_plugin.plan_command`) and ``launch``.
+
+``remat launch --budget 80% [accelerate launch args] train.py [script args]``:
 
 ``launch`` checks the remat options before any process starts, puts them in ``REMAT_*``
 variables (what :func:`remat_plugin.integrations.accelerate.prepare` reads) and replaces itself
@@ -6,7 +8,7 @@ with ``accelerate launch`` and the remaining arguments, run by this Python, so t
 Accelerate is the one used.  The remat options come first: everything from the first other
 argument on belongs to ``accelerate launch`` and the script.
 
-Subcommands live in one argparse tree so ``plan`` and ``report`` can join ``launch``.
+Usage errors are one line each (``remat plan: error: ...``), exit code 2.
 """
 from __future__ import annotations
 
@@ -17,15 +19,31 @@ from collections.abc import Sequence
 
 from .config import ENV_PREFIX, RematConfig
 from .errors import RematError
+from .plan_command import add_plan_parser, add_report_parser, run_plan, run_report
 
 # remat launch option -> RematConfig field; each is passed on as REMAT_<FIELD>.
 LAUNCH_OPTIONS = {"--budget": "budget", "--seq-bucket": "seq_bucket", "--cache-dir": "cache_dir",
                   "--ilp-time-limit-s": "ilp_time_limit_s"}
 
 
+_UNIT_WORDS = {"b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g"}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with usage errors on one line (and a hint when a budget was split in two words)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if "unrecognized arguments" in message and any(w.lower() in _UNIT_WORDS for w in message.split()[2:]):
+            message += (" (a budget is one word: '12GiB', not '12 GiB'; give bytes (300000000), a size "
+                        "('300MiB', '12GiB', '800MB') or a share of free memory ('80%'))")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="remat", description="remat_plugin: planned activation rematerialization.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser = OneLineParser(prog="remat", description="remat_plugin: planned activation rematerialization.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
+    add_plan_parser(commands)
+    add_report_parser(commands)
     launch = commands.add_parser(
         "launch", help="run `accelerate launch` with remat on",
         usage="remat launch --budget BUDGET [remat options] [accelerate launch options] script.py [script args]",
@@ -88,6 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     if args.command == "launch":
         return launch(args, rest)
+    if args.command == "plan":
+        return run_plan(args)
+    if args.command == "report":
+        return run_report(args)
     raise AssertionError(f"unhandled command {args.command!r}")
 
 

@@ -31,6 +31,7 @@ class BlockChoice:
     mode: str  # "keep" (no recomputation), "recompute" (an ILP option), "checkpoint" (F_none, recomputed from a stored input)
     kept_bytes: int
     recompute_ms: float
+    n_recomputed_ops: int = 0  # forward ops of the block run again in the backward (counted once each)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class Plan:
     graph_key: str = ""  # the joint graph's ops (steps.graph_key): a schedule replays only on the same graph
     schema_version: int = PLAN_SCHEMA_VERSION
     schedule: tuple[str, ...] = field(default=(), repr=False)
+    # Memory while each op runs (forward ops first), planned and unmodified: filled by `remat plan --json`
+    # for `remat report`; empty otherwise, to keep checkpoints small.
+    timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
+    baseline_timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
+    n_fwd_ops: int = 0
 
     @property
     def predicted_overhead(self) -> float:
@@ -67,7 +73,8 @@ class Plan:
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
-        data["schedule"] = tuple(data["schedule"])
+        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes"):
+            data[name] = tuple(data.get(name, ()))
         return Plan(**data)
 
     def table(self) -> str:
@@ -85,10 +92,11 @@ class Plan:
                 f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)}"
                 f" ({self.n_unique_blocks} unique)  planned in {self.planning_s:.1f} s"
             ),
-            f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recompute ms':>12}",
+            f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recomputed':>10} {'recompute ms':>12}",
         ]
         for b in self.blocks:
-            lines.append(f"{b.index:>5} {b.n_fwd_ops:>7} {b.mode:>10} {human_bytes(b.kept_bytes):>12} {b.recompute_ms:>12.3f}")
+            lines.append(f"{b.index:>5} {b.n_fwd_ops:>7} {b.mode:>10} {human_bytes(b.kept_bytes):>12} "
+                         f"{b.n_recomputed_ops:>10} {b.recompute_ms:>12.3f}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -144,7 +152,8 @@ def _block_choices(planner: Planner, cp: ChainPlan | None, schedule: Schedule) -
         made = {v for n in b.fwd_ops for v in planner.problem.op(n).outputs}
         kept_bytes = sum(planner.problem.value(v).size_bytes for v in kept & made)
         mode = "checkpoint" if first_pass.get(b.index) == "fwd_none" else ("keep" if ms == 0 else "recompute")
-        choices.append(BlockChoice(b.index, len(b.fwd_ops), mode, kept_bytes, ms))
+        n_again = sum(n in recomputed for n in b.fwd_ops)
+        choices.append(BlockChoice(b.index, len(b.fwd_ops), mode, kept_bytes, ms, n_again))
     return tuple(choices)
 
 

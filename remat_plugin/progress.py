@@ -1,7 +1,7 @@
 """Planning progress: which stage (capture, profile, solve) and how far, so a 15 s first step is not a hang.
 
 On a terminal with ``rich`` installed it is a progress bar; otherwise one INFO log line per
-stage.  Quiet when the ``remat_plugin`` logger is set above INFO.
+stage.  Quiet when the ``remat_plugin.progress`` logger (or ``remat_plugin``) is set above INFO.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from typing_extensions import Self
 
-log = logging.getLogger("remat_plugin")
+log = logging.getLogger("remat_plugin.progress")
 
 
 class PlanningProgress:

@@ -134,3 +134,15 @@ def test_config_rejects_unknown_keys_and_reads_the_environment():
         RematConfig.from_env({"REMAT_BUDGET": "eighty"})
     with pytest.raises(ConfigError, match="seq_bucket"):
         RematConfig(seq_bucket="fibonacci")
+
+
+def test_remat_yaml_lists_every_option_with_its_default():
+    """configs/remat.yaml is RematConfig's defaults, key for key."""
+    import dataclasses
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "remat.yaml"))
+    assert set(values) == {f.name for f in dataclasses.fields(RematConfig)}
+    assert RematConfig.from_dict(values) == RematConfig()

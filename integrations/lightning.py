@@ -15,9 +15,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder
+from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from remat_plugin.auto_batch import tune_batch_size
+from remat_plugin.batch_size import BatchSizeChoice
 from remat_plugin.buckets import BucketPolicy, describe
 from remat_plugin.config import RematConfig
 from remat_plugin.errors import RematError, human_bytes
@@ -75,13 +78,27 @@ class AutoRemat(pl.Callback):
         seq_bucket: how sequence lengths round up into plan buckets (``"pow2"``, a multiple, ``None``).
         cache_dir: also keep plans in this directory, for new runs of the same model.
         ilp_time_limit_s: time cap of each block ILP solve.
+        auto_batch_size: before training, set the batch size to the largest whose best plan fits
+            the budget (``True`` or ``"max"``), or to the one with the most predicted samples per
+            second (``"throughput"``); planned from the first batch, verified by one real step.
+        batch_arg_name: the attribute (on the model, its hparams or the datamodule) holding the
+            training batch size, set the Lightning way; the eval batch size is left alone.
+        multiple_of, max_val: the chosen batch size is a multiple of ``multiple_of``, at most ``max_val``.
     """
 
     def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
-                 cache_dir: str | None = None, ilp_time_limit_s: float = 0.5):
+                 cache_dir: str | None = None, ilp_time_limit_s: float = 0.5, auto_batch_size: bool | str = False,
+                 batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None):
         self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
                                   ilp_time_limit_s=ilp_time_limit_s)  # validates now, not at the first batch
         self.module_name = module
+        if auto_batch_size not in (False, True, "max", "throughput"):
+            raise RematError(f"AutoRemat: auto_batch_size {auto_batch_size!r} is not True, 'max' or 'throughput'")
+        if multiple_of < 1 or (max_val is not None and max_val < multiple_of):
+            raise RematError(f"AutoRemat: need 1 <= multiple_of ({multiple_of}) <= max_val ({max_val})")
+        self.auto_batch_size = "max" if auto_batch_size is True else auto_batch_size
+        self.batch_arg_name, self.multiple_of, self.max_val = batch_arg_name, multiple_of, max_val
+        self.batch_size_choice: BatchSizeChoice | None = None
         self.session: RematSession | None = None
         self.enabled = True
         self._swap: ForwardSwap | None = None
@@ -106,6 +123,27 @@ class AutoRemat(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._swap is None and self.enabled:
             self._install(trainer, pl_module)
+        if self.auto_batch_size and self.session is not None and self.batch_size_choice is None:
+            self._choose_batch_size(trainer, pl_module)
+
+    def _choose_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Probe the first batch, choose and verify the size, set it, and let fit rebuild the dataloader."""
+        assert self.session is not None
+        if not lightning_hasattr(pl_module, self.batch_arg_name):
+            raise RematError(f"AutoRemat: auto_batch_size needs the training batch size in an attribute; "
+                             f"'{self.batch_arg_name}' is not on the model, its hparams or the datamodule "
+                             "(pass batch_arg_name=...)")
+        loop = trainer.fit_loop
+        loop.setup_data()
+        batch = next(iter(trainer.train_dataloader))  # type: ignore[arg-type]
+        batch = pl_module._apply_batch_transfer_handler(batch)
+        args, kwargs = self.session.record_call(lambda: pl_module.training_step(batch, 0))
+        choice = tune_batch_size(self.session, args, kwargs, objective=str(self.auto_batch_size),
+                                 multiple_of=self.multiple_of, max_val=self.max_val)
+        lightning_setattr(pl_module, self.batch_arg_name, choice.batch_size)
+        loop._combined_loader = None  # fit rebuilds the training dataloader with the new size
+        self.batch_size_choice = choice
+        rank_zero_info(f"AutoRemat: {choice.summary()}")
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         name, target = pick_target(pl_module, self.module_name)

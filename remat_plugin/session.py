@@ -20,11 +20,12 @@ same new plan, rank 0 makes it with the smallest budget of all ranks and broadca
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,14 @@ def model_fingerprint(module: nn.Module) -> str:
     return hashlib.sha1("|".join(desc).encode()).hexdigest()[:16]
 
 
+class _Recorded(Exception):
+    """Stops a probe at the module's call, carrying its arguments."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        super().__init__("recorded")
+        self.args, self.kwargs = args, kwargs
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -78,6 +87,7 @@ class RematSession:
         self.n_replayed = 0  # steps built from a known plan
         self.plan: Plan | None = None  # the plan of the latest training call
         self._busy = False
+        self._recording = False
         self._warned_ranks = False
         self._fingerprint = model_fingerprint(module)
 
@@ -88,6 +98,8 @@ class RematSession:
         def forward(*args, **kwargs):
             if self._busy or not (self.module.training and torch.is_grad_enabled()):
                 return real_forward(*args, **kwargs)
+            if self._recording:
+                raise _Recorded(args, kwargs)
             self._busy = True  # capture and the fallback call the module again: those run the original
             try:
                 return self._run(args, kwargs)
@@ -110,6 +122,27 @@ class RematSession:
             log.info("remat_plugin: plan does not replay on %s (%s); planning these shapes", key[:120], exc)
             step = self._solve_exact(sig, key, args, kwargs)
             return step(args, kwargs)
+
+    @contextlib.contextmanager
+    def bypassed(self) -> Iterator[None]:
+        """Calls to the module run its original forward (for captures made outside the session)."""
+        busy, self._busy = self._busy, True
+        try:
+            yield
+        finally:
+            self._busy = busy
+
+    def record_call(self, run: Callable[[], Any]) -> tuple[tuple, dict]:
+        """The arguments of the first training call ``run()`` makes to the module; that call does not run."""
+        self._recording = True
+        try:
+            run()
+        except _Recorded as call:
+            return call.args, call.kwargs
+        finally:
+            self._recording = False
+        raise RematError(f"remat_plugin.session: the probe never called {type(self.module).__name__} in training "
+                         "mode with gradients enabled")
 
     # --- which step ------------------------------------------------------------------------
     def _step_for(self, sig: list, key: str, args: tuple, kwargs: dict) -> Step:

@@ -60,6 +60,8 @@ class ExampleOptions:
     budget_share: float = 0.5
     compare_unmodified: bool = True
     remat: bool = True  # false: only the run without AutoRemat
+    auto_batch_size: bool = False  # AutoRemat raises data.batch_size to the largest that fits the budget
+    multiple_of: int = 1  # ... a multiple of this
     out: str | None = None
 
 
@@ -116,6 +118,7 @@ class StepRecorder(pl.Callback):
     def __init__(self):
         self.losses: list[float] = []
         self.peaks: list[int] = []
+        self.batch_sizes: list[int] = []
         self._meter: PeakMeter | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -126,6 +129,7 @@ class StepRecorder(pl.Callback):
         assert self._meter is not None
         self._meter.__exit__(None, None, None)
         self.peaks.append(self._meter.peak_bytes)
+        self.batch_sizes.append(int(batch.shape[0]))
         self.losses.append(float(outputs["loss"]))
 
 
@@ -173,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
 
     recorder = StepRecorder()
     auto = AutoRemat(budget=budget, seq_bucket=remat.seq_bucket, cache_dir=remat.cache_dir,
-                     ilp_time_limit_s=remat.ilp_time_limit_s)
+                     ilp_time_limit_s=remat.ilp_time_limit_s, auto_batch_size=options.example.auto_batch_size,
+                     multiple_of=options.example.multiple_of)
     trainer, _ = train(options, [auto, recorder])
     rank = trainer.global_rank
     if rank == 0:
@@ -193,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     assert session is not None
     _write(options.example.out, trainer, {
         "losses": recorder.losses, "peaks": recorder.peaks, "budget": budget, "n_solved": session.n_solved,
+        "batch_sizes": recorder.batch_sizes,
+        "choice": auto.batch_size_choice.summary() if auto.batch_size_choice else None,
         "plans": {k: p.to_json() for k, p in session.plans.items()}})
 
 

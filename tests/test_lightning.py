@@ -184,3 +184,40 @@ def test_batch_size_finder_trials_run_unmodified_then_one_plan():
     assert finder.optimal_batch_size > 2  # trials ran at 2 and larger sizes
     assert auto.session.n_solved == 1 and len(recorder.losses) == 2
     assert json.loads(next(iter(auto.session.plans)))[1][0][0] == [finder.optimal_batch_size, 64]
+
+
+def test_auto_batch_size_takes_the_largest_that_fits_and_one_real_step():
+    """auto_batch_size: the chosen size's steps stay under B; size + multiple_of has no plan under B (predicted
+    floor above it); one verification step; training runs at the new size without planning again."""
+    options = _options("data.seq_lens=[128]", "data.batches_per_len=64", "trainer.max_steps=2", "data.batch_size=4",
+                       "trainer.precision=32-true")
+    budget = 40 * 2**20
+    recorder = StepRecorder()
+    auto = AutoRemat(budget=budget, auto_batch_size=True, multiple_of=4, ilp_time_limit_s=0.2)
+    trainer, _ = train(options, [auto, recorder])
+    choice = auto.batch_size_choice
+    assert choice.batch_size > 4 and choice.batch_size % 4 == 0
+    assert recorder.batch_sizes == [choice.batch_size] * 2
+    assert trainer.datamodule.batch_size == choice.batch_size
+    assert max(recorder.peaks) <= budget and choice.measured_peak_bytes <= choice.budget_bytes
+    assert choice.trial_steps == 1 and auto.session.n_solved == 1  # training replays the verification plan
+    nxt = choice.next_size
+    assert nxt.batch_size == choice.batch_size + 4 and nxt.predicted_time_ms is None
+    assert nxt.min_feasible_bytes > choice.budget_bytes
+
+
+@pytest.mark.slow
+def test_auto_batch_size_under_ddp_agrees_across_ranks(tmp_path):
+    """strategy="ddp" (which BatchSizeFinder refuses): both ranks train at the same chosen size within B."""
+    out = tmp_path / "abs"
+    budget = 40 * 2**20
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_gpt2.py"), *TINY, "trainer.precision=32-true",
+           "data.seq_lens=[128]", "data.batches_per_len=64", "trainer.max_steps=2", "trainer.devices=2",
+           "trainer.strategy=ddp", "example.compare_unmodified=false", "example.auto_batch_size=true",
+           "example.multiple_of=2", f"remat.budget={budget}", "remat.ilp_time_limit_s=0.2", f"example.out={out}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+    sizes = {tuple(r["batch_sizes"]) for r in ranks}
+    assert len(sizes) == 1 and next(iter(sizes))[0] > 4
+    assert all(max(r["peaks"]) <= budget for r in ranks)

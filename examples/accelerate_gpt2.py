@@ -3,12 +3,18 @@
     REMAT_BUDGET=3MB accelerate launch examples/accelerate_gpt2.py --cpu
     remat launch --budget 3MB --multi_gpu --num_processes 2 --num_machines 1 examples/accelerate_gpt2.py --cpu
     remat launch --budget 3MB --config_file configs/accelerate_cpu.yaml examples/accelerate_gpt2.py --cpu
+    REMAT_BUDGET=8MB REMAT_AUTO_BATCH_SIZE=1 accelerate launch examples/accelerate_gpt2.py --cpu
 
 The script calls ``remat_plugin.integrations.accelerate.prepare(accelerator, model)`` with no
 budget: the launch flag turns remat on, and without it the run is plain Accelerate.  Rank 0
 prints the plan and, per step, the loss and the measured peak (forward, backward and optimizer
 step; planning included).  ``--compare`` first measures one unmodified step on a copy of the
 model, to print the memory saved.  ``--json OUT`` writes each rank's results to ``OUT.rank<N>.json``.
+
+With auto batch size (``--auto-batch-size`` or ``REMAT_AUTO_BATCH_SIZE=1``, and a budget) the
+script asks ``choose_batch_size`` for the per-process batch size, from the arguments of its
+first batch, and rebuilds its dataloader with it (``rebuild_dataloader``): the same data in
+fewer, larger steps.  Without it the batch size is ``--batch-size``.
 
 On a machine without GPUs pass ``--cpu``: Accelerate's workers then form a MULTI_CPU (gloo)
 group; without it each of them runs alone.
@@ -84,6 +90,8 @@ def main() -> None:
                         "several processes)")
     parser.add_argument("--compare", action="store_true", help="measure one unmodified step first; print the saving")
     parser.add_argument("--json", metavar="OUT", help="write each rank's results to OUT.rank<N>.json")
+    parser.add_argument("--auto-batch-size", nargs="?", const="max", choices=["max", "throughput"],
+                        help="choose the batch size that fits the budget (default: REMAT_AUTO_BATCH_SIZE decides)")
     opts = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -102,22 +110,37 @@ def main() -> None:
     baseline = None
     if opts.compare:
         baseline = unmodified_peak(model, opts, accelerator, tokens[: opts.batch_size].to(accelerator.device))
-    model = remat_accelerate.prepare(accelerator, model)  # REMAT_BUDGET decides; no budget here
+    # REMAT_BUDGET decides; no budget here.  auto_batch_size None: REMAT_AUTO_BATCH_SIZE decides.
+    model = remat_accelerate.prepare(accelerator, model, auto_batch_size=opts.auto_batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr)
-    optimizer, loader = accelerator.prepare(optimizer, loader)
+    optimizer = accelerator.prepare(optimizer)
     hook = remat_accelerate.find_hook(model)
+    # Auto batch size off: opts.batch_size comes back, nothing runs.  On: every rank must call it (collectives).
+    first = tokens[: opts.batch_size].to(accelerator.device)
+    batch_size = remat_accelerate.choose_batch_size(accelerator, model, ((), {"input_ids": first, "labels": first}),
+                                                    default=opts.batch_size)
+    if batch_size != opts.batch_size:
+        loader = remat_accelerate.rebuild_dataloader(accelerator, loader, batch_size)
+    else:
+        loader = accelerator.prepare(loader)
+    choice = hook.batch_size_choice if hook is not None else None
+    if choice is not None and accelerator.is_main_process:
+        print(f"auto batch size: {batch_size} per process (--batch-size {opts.batch_size}); {choice.summary()}")
 
     losses: list[float] = []
     peaks: list[int] = []
+    batch_sizes: list[int] = []
     for (ids,) in loader:
         with PeakMeter(_meter_device(accelerator)) as meter:
             losses.append(train_step(model, optimizer, accelerator, ids))
         peaks.append(meter.peak_bytes)
+        batch_sizes.append(ids.shape[0])
 
     session = hook.session if hook is not None else None
     budget_bytes = parse_budget(hook.config.budget, accelerator.device) if hook is not None else None
     if accelerator.is_main_process:
-        report(accelerator, session, losses, peaks, budget_bytes, baseline)
+        report(accelerator, session, losses, peaks, budget_bytes, baseline,
+               baseline_batch=opts.batch_size if batch_size != opts.batch_size else None)
     if opts.json:
         result = {
             "rank": accelerator.process_index, "world_size": accelerator.num_processes, "pid": os.getpid(),
@@ -126,13 +149,17 @@ def main() -> None:
             "plan": session.plan.to_json() if session is not None and session.plan is not None else None,
             "plans": {k: p.to_json() for k, p in session.plans.items()} if session is not None else {},
             "n_solved": session.n_solved if session is not None else 0,
+            "batch_size": batch_size, "batch_sizes": batch_sizes,
+            "batch_size_choice": choice.summary() if choice is not None else None,
+            "batch_size_trial_peak": choice.measured_peak_bytes if choice is not None else None,
         }
         with open(f"{opts.json}.rank{accelerator.process_index}.json", "w") as f:
             json.dump(result, f)
 
 
 def report(accelerator: Accelerator, session, losses: list[float], peaks: list[int], budget_bytes: int | None,
-           baseline: int | None) -> None:
+           baseline: int | None, baseline_batch: int | None = None) -> None:
+    """``baseline_batch``: the batch size of the unmodified step, when auto batch size trained at another."""
     where = f"{accelerator.num_processes} process(es), {accelerator.distributed_type}"
     if session is None or session.plan is None:
         print(f"remat off (no REMAT_BUDGET); {where}")
@@ -141,7 +168,10 @@ def report(accelerator: Accelerator, session, losses: list[float], peaks: list[i
         print(session.plan.table())
     for step, (loss, peak) in enumerate(zip(losses, peaks)):
         print(f"step {step}: loss {loss:.4f}  measured peak {human_bytes(peak)}")
-    if baseline is not None:  # measured on a copy, in this process alone: DDP's own buffers are not in it
+    if baseline is not None and baseline_batch is not None:  # not the same batch size: no saving to compute
+        print(f"unmodified step peak {human_bytes(baseline)} at --batch-size {baseline_batch} (one step of a copy, "
+              f"without DDP); largest step peak here {human_bytes(max(peaks))} at the chosen batch size")
+    elif baseline is not None:  # measured on a copy, in this process alone: DDP's own buffers are not in it
         saved = baseline - max(peaks)
         print(f"unmodified step peak {human_bytes(baseline)} (one step of a copy, without DDP); largest step peak "
               f"here {human_bytes(max(peaks))}: memory saved {human_bytes(saved)} ({saved / baseline:.0%})")

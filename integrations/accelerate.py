@@ -17,26 +17,45 @@ place and removing it gives exactly that back.  Planning captures the module wit
 ``pre_forward``/``post_forward`` runs one extra time per new plan, on fake tensors.
 
 Options come from arguments, a :class:`RematPlugin`, or the environment (``REMAT_BUDGET``,
-``REMAT_SEQ_BUCKET``, ``REMAT_CACHE_DIR``, ``REMAT_ILP_TIME_LIMIT_S``), in that order.  With no
-budget anywhere, :func:`prepare` is plain ``accelerator.prepare(model)``.
+``REMAT_SEQ_BUCKET``, ``REMAT_CACHE_DIR``, ``REMAT_ILP_TIME_LIMIT_S``, ``REMAT_AUTO_BATCH_SIZE``,
+``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``), in that order.  With no budget anywhere,
+:func:`prepare` is plain ``accelerator.prepare(model)``.
+
+Auto batch size: :func:`prepare` still returns only the model; with ``auto_batch_size`` on (an
+argument, the plugin, or ``REMAT_AUTO_BATCH_SIZE=1``), :func:`choose_batch_size` plans the
+largest per-process batch whose best plan fits the budget (every rank gets the same size) and
+:func:`rebuild_dataloader` makes the training dataloader over the same dataset with it::
+
+    model = prepare(accelerator, model)
+    optimizer = accelerator.prepare(optimizer)
+    batch_size = choose_batch_size(accelerator, model, ((), {"input_ids": ids, "labels": ids}), default=8)
+    loader = rebuild_dataloader(accelerator, loader, batch_size)  # the unprepared DataLoader, or a prepared one
+
+With auto batch size off, :func:`choose_batch_size` returns ``default`` and does nothing else.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module
-from accelerate.utils import DistributedType, DynamoBackend, extract_model_from_parallel
+from accelerate.utils import DistributedType, DynamoBackend, extract_model_from_parallel, send_to_device
 from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from remat_plugin.auto_batch import tune_batch_size
+from remat_plugin.batch_size import OBJECTIVES, BatchSizeChoice
 from remat_plugin.buckets import describe
 from remat_plugin.config import ENV_PREFIX, ConfigError, RematConfig
 from remat_plugin.errors import RematError
@@ -73,16 +92,31 @@ class RematPlugin:
     cache_dir: str | None = None
     # Time cap of each block ILP solve, seconds: planning time against plan quality.
     ilp_time_limit_s: float | None = None
+    # choose_batch_size picks the per-process batch size: True or "max" (the largest whose best plan fits the
+    # budget), "throughput" (the most predicted samples per second), False: off (the script's own size).
+    auto_batch_size: bool | str | None = None
+    # The chosen batch size is a multiple of this (REMAT_BATCH_MULTIPLE_OF); None: 1.
+    multiple_of: int | None = None
+    # ... and at most this (REMAT_MAX_BATCH_SIZE); None: no limit.
+    max_val: int | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             if getattr(self, f.name) is None:
                 setattr(self, f.name, _from_env(f.name))
-        self._config()  # a bad explicit value fails here, at construction, not at the first batch
+        # bad explicit values fail here, at construction, not at the first batch
+        self.auto_batch_size = _auto_mode(self.auto_batch_size)
+        _check_batch_limits(self.multiple_of, self.max_val)
+        self._config()
 
     @property
     def enabled(self) -> bool:
         return self.budget is not None
+
+    @property
+    def auto_batch_mode(self) -> str | None:
+        """The auto batch size objective ("max" or "throughput"), or None when it is off."""
+        return self.auto_batch_size or None  # type: ignore[return-value]
 
     def to_config(self) -> RematConfig:
         """The session's options; needs a budget (an argument, this plugin's field, or ``REMAT_BUDGET``)."""
@@ -91,18 +125,69 @@ class RematPlugin:
         return self._config()
 
     def _config(self) -> RematConfig:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        """The ``RematConfig`` of the set fields it has; the auto batch size fields are the plugin's own."""
+        names = {f.name for f in dataclasses.fields(RematConfig)}
+        values = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
         if values.get("seq_bucket") == "exact":
             values["seq_bucket"] = None
         return RematConfig.from_dict(values)
 
 
+# The plugin's own options: their variables, and what their values may be.
+_BATCH_ENV = {"auto_batch_size": "AUTO_BATCH_SIZE", "multiple_of": "BATCH_MULTIPLE_OF", "max_val": "MAX_BATCH_SIZE"}
+_AUTO_ON = ("1", "true", "yes", "max")
+_AUTO_OFF = ("0", "false", "no")
+
+
+def _auto_mode(value: Any) -> str | bool | None:
+    """``auto_batch_size`` as "max", "throughput", False (off) or None (unset)."""
+    if value is None or value is False or value in OBJECTIVES:
+        return value  # type: ignore[no-any-return]
+    if value is True:
+        return "max"
+    raise ConfigError(f"remat_plugin.accelerate: auto_batch_size {value!r} is not True, False, 'max' or 'throughput'")
+
+
+def _check_batch_limits(multiple_of: Any, max_val: Any) -> None:
+    def positive_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if multiple_of is not None and not positive_int(multiple_of):
+        raise ConfigError(f"remat_plugin.accelerate: multiple_of {multiple_of!r} ({ENV_PREFIX}BATCH_MULTIPLE_OF) must "
+                          "be a positive integer")
+    if max_val is not None and not (positive_int(max_val) and max_val >= (multiple_of or 1)):
+        raise ConfigError(f"remat_plugin.accelerate: max_val {max_val!r} ({ENV_PREFIX}MAX_BATCH_SIZE) must be an "
+                          f"integer >= multiple_of ({multiple_of or 1})")
+
+
+def _batch_option_from_env(name: str, var: str, text: str) -> Any:
+    low = text.strip().lower()
+    if name == "auto_batch_size":
+        if low in _AUTO_ON:
+            return "max"
+        if low == "throughput":
+            return "throughput"
+        if low in _AUTO_OFF:
+            return False
+        raise ConfigError(f"remat_plugin.accelerate: {var}={text!r} is invalid: the accepted values are 1, true, "
+                          "yes or max (the largest batch size whose plan fits the budget), throughput (the most "
+                          "predicted samples per second), and 0, false, no or empty (off). Fix "
+                          f"{var}, or unset it to keep the script's batch size.")
+    if low.isdigit() and int(low) >= 1:
+        return int(low)
+    default = "1" if name == "multiple_of" else "no limit"
+    raise ConfigError(f"remat_plugin.accelerate: {var}={text!r} is invalid: it must be a positive integer. Fix "
+                      f"{var}, or unset it for the default ({default}).")
+
+
 def _from_env(name: str) -> Any:
     """The option ``name`` from ``REMAT_<NAME>``, read as ``RematConfig.from_env`` reads it; errors name the variable."""
-    var = ENV_PREFIX + name.upper()
+    var = ENV_PREFIX + _BATCH_ENV.get(name, name.upper())
     text = os.environ.get(var)
     if text is None or not text.strip():
         return None
+    if name in _BATCH_ENV:
+        return _batch_option_from_env(name, var, text)
     try:
         value = getattr(RematConfig.from_env({var: text}), name)
     except RematError as exc:
@@ -124,11 +209,19 @@ class RematHook(ModelHook):
         config: budget and planning options.
         optimizers: returns the optimizers of the module's parameters, called when a plan is
             made: state they have not created yet is taken out of the budget.
+        auto_batch_size: what :func:`choose_batch_size` does: "max" (or True), "throughput", or
+            None/False (off: it returns the script's batch size).
+        multiple_of, max_val: the chosen batch size is a multiple of ``multiple_of``, at most ``max_val``.
     """
 
-    def __init__(self, config: RematConfig | None = None, *, optimizers: Callable[[], Iterable] = tuple):
+    def __init__(self, config: RematConfig | None = None, *, optimizers: Callable[[], Iterable] = tuple,
+                 auto_batch_size: bool | str | None = None, multiple_of: int = 1, max_val: int | None = None):
         self.config = config or RematConfig()
         self.optimizers = optimizers
+        self.auto_batch_size: str | None = _auto_mode(auto_batch_size) or None  # type: ignore[assignment]
+        _check_batch_limits(multiple_of, max_val)
+        self.multiple_of, self.max_val = multiple_of, max_val
+        self.batch_size_choice: BatchSizeChoice | None = None  # set by choose_batch_size
         self.session: RematSession | None = None
         self._real_forward: Callable | None = None
         self._dispatch: Callable | None = None
@@ -194,10 +287,12 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
             plugin: RematPlugin | None = None, **options: Any) -> nn.Module:
     """``accelerator.prepare(model)`` with a :class:`RematHook` on the underlying module.
 
-    ``budget`` and ``options`` (``seq_bucket``, ``cache_dir``, ``ilp_time_limit_s``) win over
-    ``plugin``, whose unset fields come from ``REMAT_*`` variables.  Without a budget from any of
-    them this is exactly ``accelerator.prepare(model)``.  Prepare the optimizer as usual, before
-    or after: its state still to be created is taken out of the budget when the plan is made.
+    ``budget`` and ``options`` (``seq_bucket``, ``cache_dir``, ``ilp_time_limit_s``,
+    ``auto_batch_size``, ``multiple_of``, ``max_val``) win over ``plugin``, whose unset fields
+    come from ``REMAT_*`` variables.  Without a budget from any of them this is exactly
+    ``accelerator.prepare(model)``.  Prepare the optimizer as usual, before or after: its state
+    still to be created is taken out of the budget when the plan is made.  It returns only the
+    model, with auto batch size too: :func:`choose_batch_size` gives the size.
     """
     known = {f.name for f in dataclasses.fields(RematPlugin)}
     unknown = sorted(set(options) - known)
@@ -210,6 +305,9 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     if not plugin.enabled:
         if _rank_zero():
             log.info("remat_plugin.accelerate: no budget (budget=... or %sBUDGET); training without remat", ENV_PREFIX)
+            if plugin.auto_batch_mode:
+                log.warning("remat_plugin.accelerate: auto_batch_size needs a budget (budget=... or %sBUDGET); "
+                            "choose_batch_size will return the script's batch size", ENV_PREFIX)
         return accelerator.prepare(model)
     config = plugin.to_config()
     _check_supported(accelerator)
@@ -222,7 +320,9 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
 
     prepared = accelerator.prepare(model)
     target = extract_model_from_parallel(prepared, keep_torch_compile=False)
-    hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target))
+    hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target),
+                     auto_batch_size=plugin.auto_batch_mode, multiple_of=plugin.multiple_of or 1,
+                     max_val=plugin.max_val)
     add_hook_to_module(target, hook, append=True)
     _keep_plans_in_checkpoints(accelerator, target, hook)
     if _rank_zero():
@@ -306,3 +406,119 @@ def _keep_plans_in_checkpoints(accelerator: Accelerator, target: nn.Module, hook
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)
+
+
+# --- auto batch size --------------------------------------------------------------------------------
+def choose_batch_size(accelerator: Accelerator, model: nn.Module, example_inputs: tuple[tuple, dict],
+                      default: int) -> int:
+    """The per-process training batch size: ``default``, or the one auto batch size chooses.
+
+    With ``auto_batch_size`` on for ``model`` (``prepare(..., auto_batch_size=True)``, the
+    plugin, or ``REMAT_AUTO_BATCH_SIZE``), rank 0 plans the step at candidate sizes from
+    ``example_inputs`` and picks the largest whose best plan fits the budget ("max") or the
+    fastest per sample ("throughput"), a multiple of ``multiple_of`` and at most ``max_val``;
+    then every rank runs one real forward+backward at that size through the hook and the largest
+    peak of all ranks decides (one notch smaller if it is over the budget).  That step's plan is
+    kept, so the first training step at this size does not plan again.  Every rank returns the
+    same size; the :class:`~remat_plugin.batch_size.BatchSizeChoice` is kept in
+    ``find_hook(model).batch_size_choice`` and its summary logged on the main process.  With auto
+    batch size off (or no budget, so no hook), this returns ``default`` and does nothing else.
+
+    Call it on every process at the same point (it runs collectives), after :func:`prepare` and
+    after preparing the optimizer (the state it will create is taken out of the budget), before
+    training.  A second call returns the first call's size.
+
+    Args:
+        example_inputs: ``(args, kwargs)`` of one call of ``model``'s forward at the script's
+            batch size, e.g. ``((), {"input_ids": ids, "labels": ids})`` from the first batch;
+            tensors are moved to ``accelerator.device``.  Their values are only used to build
+            inputs of other sizes (rows repeated or cut).
+        default: the script's batch size, returned when auto batch size is off.
+    """
+    hook = find_hook(model)
+    if hook is None or not hook.auto_batch_size:
+        return default
+    if hook.batch_size_choice is not None:
+        return hook.batch_size_choice.batch_size
+    if hook.session is None or not hook.attached:
+        raise RematError("remat_plugin.accelerate: choose_batch_size: the model's RematHook is detached; call it on "
+                         "the model prepare returned, with the hook on")
+    args, kwargs = _example_call(example_inputs)
+    args, kwargs = send_to_device((args, kwargs), accelerator.device)
+    session, target = hook.session, hook.session.module
+    with _training_mode(target), torch.enable_grad():
+        # The module's arguments after every other hook's pre_forward: what the session will see.
+        args, kwargs = session.record_call(lambda: target(*args, **kwargs))
+        choice = tune_batch_size(session, args, kwargs, objective=hook.auto_batch_size,
+                                 multiple_of=hook.multiple_of, max_val=hook.max_val)
+    hook.batch_size_choice = choice
+    if accelerator.is_main_process:
+        log.info("remat_plugin.accelerate: %s", choice.summary())
+    return choice.batch_size
+
+
+def _example_call(example_inputs: Any) -> tuple[tuple, dict]:
+    if not (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
+            and isinstance(example_inputs[0], (tuple, list)) and isinstance(example_inputs[1], dict)):
+        raise RematError("remat_plugin.accelerate: choose_batch_size: example_inputs must be (args, kwargs) of one "
+                         "call of the model, e.g. ((), {'input_ids': ids, 'labels': ids}); got "
+                         f"{type(example_inputs).__name__}")
+    return tuple(example_inputs[0]), dict(example_inputs[1])
+
+
+@contextlib.contextmanager
+def _training_mode(module: nn.Module) -> Iterator[None]:
+    """The module in training mode inside (the probe needs a training call), each submodule's mode restored after."""
+    modes = {} if module.training else {m: m.training for m in module.modules()}
+    module.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def rebuild_dataloader(accelerator: Accelerator, dataloader: DataLoader, batch_size: int) -> DataLoader:
+    """A new training dataloader over the same dataset with ``batch_size`` per process, prepared by ``accelerator``.
+
+    Pass the unprepared ``DataLoader`` (the usual case: choose the size, then prepare the loader
+    this way) or the one ``accelerator.prepare`` returned; then its base loader is rebuilt
+    (Accelerate's ``DataLoaderShard``/``DataLoaderDispatcher`` keep it in ``base_dataloader``)
+    and the old one is dropped from the accelerator's dataloaders, so ``save_state`` counts only
+    the new one.  The sampler is kept (a ``RandomSampler`` still shuffles, with its generator),
+    as are ``drop_last``, ``collate_fn``, ``num_workers``, ``pin_memory`` and the other worker
+    options.  With ``split_batches`` the loader's batch is ``batch_size * num_processes``, so
+    each process still gets ``batch_size``.  A custom ``batch_sampler`` cannot be rebuilt with
+    another size: build that loader yourself.
+    """
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"remat_plugin.accelerate: rebuild_dataloader: batch_size {batch_size!r} is not a positive "
+                         "integer")
+    base = getattr(dataloader, "base_dataloader", None)
+    source: DataLoader = base if base is not None else dataloader
+    dataset = source.dataset
+    if isinstance(dataset, IterableDatasetShard):
+        dataset = dataset.dataset
+    drop_last = bool(getattr(dataloader, "_drop_last", source.drop_last))
+    kwargs: dict[str, Any] = {k: getattr(source, k) for k in ("collate_fn", "num_workers", "pin_memory", "timeout",
+                                                               "worker_init_fn", "multiprocessing_context",
+                                                               "generator", "persistent_workers")}
+    if source.num_workers > 0:
+        kwargs["prefetch_factor"] = source.prefetch_factor
+    if getattr(source, "pin_memory_device", ""):
+        kwargs["pin_memory_device"] = source.pin_memory_device
+    if not isinstance(dataset, IterableDataset):
+        batch_sampler = source.sampler if isinstance(source.sampler, BatchSampler) else source.batch_sampler
+        if isinstance(batch_sampler, BatchSamplerShard):
+            batch_sampler = batch_sampler.batch_sampler
+        if not isinstance(batch_sampler, BatchSampler) or getattr(batch_sampler, "sampler", None) is None:
+            raise RematError(f"remat_plugin.accelerate: rebuild_dataloader: the dataloader batches with "
+                             f"{type(batch_sampler).__name__}, not a batch_size; build its loader with batch size "
+                             f"{batch_size} yourself")
+        kwargs["sampler"] = batch_sampler.sampler  # a RandomSampler keeps shuffling, with its own generator
+        drop_last = batch_sampler.drop_last
+    per_loader = batch_size * accelerator.num_processes if accelerator.split_batches else batch_size
+    new = DataLoader(dataset, batch_size=per_loader, drop_last=drop_last, **kwargs)
+    if base is not None:  # the prepared loader it replaces
+        accelerator._dataloaders[:] = [d for d in accelerator._dataloaders if d is not dataloader]
+    return accelerator.prepare(new)

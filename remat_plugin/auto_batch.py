@@ -67,6 +67,10 @@ def tune_batch_size(session: RematSession, args: tuple, kwargs: dict, *, objecti
     """The batch size for the session's budget, verified by one real step per rank; the same on every rank."""
     rank, world = _world()
     budget = session.training_budget(args, kwargs)
+    if world > 1:  # every rank must decide alike: the smallest budget of all ranks
+        budgets: list[Any] = [None] * world
+        dist.all_gather_object(budgets, budget)
+        budget = min(budgets)
     b1 = batch_dim_size(args, kwargs)
     payload: list[Any] = [None]
     if rank == 0:

@@ -18,12 +18,21 @@ pytest.importorskip("transformers")
 from accelerate import Accelerator
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from accelerate.state import AcceleratorState
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 from remat_plugin import cli
+from remat_plugin.budget import parse_budget
+from remat_plugin.config import ConfigError
 from remat_plugin.errors import BudgetFormatError, RematError
 from remat_plugin.integrations import accelerate as remat_accelerate
 from remat_plugin.integrations._forward_swap import find_double_checkpointing
-from remat_plugin.integrations.accelerate import RematPlugin, find_hook, plans_file
+from remat_plugin.integrations.accelerate import (
+    RematPlugin,
+    choose_batch_size,
+    find_hook,
+    plans_file,
+    rebuild_dataloader,
+)
 from remat_plugin.memory import PeakMeter
 from remat_plugin.plan import Plan
 
@@ -253,20 +262,158 @@ def test_remat_console_script_rejects_a_bad_budget():
     assert "--budget 'eighty'" in proc.stderr and "'80%'" in proc.stderr
 
 
+# --- auto batch size ------------------------------------------------------------------------------
+AUTO_BUDGET = 8 * 2**20  # the tiny float64 GPT-2 at 64 tokens: AdamW's state to come leaves ~6 MiB, batch 4 fits
+
+
+def _loader(rows: int = 16, batch_size: int = 2, **kwargs) -> DataLoader:
+    tokens = torch.randint(0, 500, (rows, 64), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(tokens), batch_size=batch_size, **kwargs)
+
+
+def test_choose_batch_size_picks_the_largest_fitting_multiple_and_a_real_step_at_it_fits():
+    """auto_batch_size on: a size above the script's, a multiple of multiple_of, whose next notch has no fitting plan;
+    the rebuilt loader's first step at that size stays in the budget and reuses the plan made while verifying."""
+    accelerator = Accelerator(cpu=True)
+    model = remat_accelerate.prepare(accelerator, _gpt2(), budget=AUTO_BUDGET, ilp_time_limit_s=ILP_S,
+                                     auto_batch_size=True, multiple_of=2)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    loader = _loader(shuffle=True)
+    (first,) = next(iter(loader))
+    model.eval()  # as from_pretrained leaves it: the probe trains it for the while, then puts it back
+    rng, weights = torch.get_rng_state(), {k: v.clone() for k, v in model.state_dict().items()}
+
+    size = choose_batch_size(accelerator, model, ((), {"input_ids": first, "labels": first}), default=2)
+
+    hook = find_hook(model)
+    assert hook is not None and hook.session is not None
+    choice = hook.batch_size_choice
+    assert choice is not None and choice.batch_size == size and choice.objective == "max"
+    assert size > 2 and size % 2 == 0, choice.summary()
+    assert choice.budget_bytes < AUTO_BUDGET == parse_budget(hook.config.budget)  # less AdamW's state to come
+    assert choice.next_size is not None and choice.next_size.batch_size == size + 2
+    assert choice.next_size.predicted_time_ms is None and choice.next_size.min_feasible_bytes > choice.budget_bytes
+    assert choice.trial_steps >= 1 and choice.measured_peak_bytes is not None
+    assert choice.measured_peak_bytes <= choice.budget_bytes
+    assert not model.training and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    solved = hook.session.n_solved
+    assert choose_batch_size(accelerator, model, ((), {"input_ids": first, "labels": first}), default=2) == size
+
+    model.train()
+    loader = rebuild_dataloader(accelerator, loader, size)
+    (ids,) = next(iter(loader))
+    assert ids.shape == (size, 64)
+    with PeakMeter("cpu") as meter:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert meter.peak_bytes <= AUTO_BUDGET, (meter.peak_bytes, choice.summary())
+    assert hook.session.n_solved == solved  # the verification step's plan, reused
+    assert hook.session.plan is not None and hook.session.plan.predicted_peak_bytes <= choice.budget_bytes
+
+
+@pytest.mark.parametrize("how", ["argument off", "env off", "no budget"])
+def test_choose_batch_size_off_returns_the_default_and_plans_nothing(monkeypatch, how):
+    """Without auto batch size (or without a budget, so without a hook) the default comes back untouched."""
+    if how == "env off":
+        monkeypatch.setenv("REMAT_AUTO_BATCH_SIZE", "0")
+    options = {"auto_batch_size": False} if how == "argument off" else {}
+    budget = None if how == "no budget" else AUTO_BUDGET
+    if how == "no budget":
+        monkeypatch.setenv("REMAT_AUTO_BATCH_SIZE", "1")
+    accelerator = Accelerator(cpu=True)
+    model = remat_accelerate.prepare(accelerator, _gpt2(), budget=budget, **options)
+    ids = _ids(0)
+    assert choose_batch_size(accelerator, model, ((), {"input_ids": ids, "labels": ids}), default=4) == 4
+    hook = find_hook(model)
+    if how == "no budget":
+        assert hook is None
+    else:
+        assert hook is not None and hook.session is not None and hook.batch_size_choice is None
+        assert hook.session.plans == {} and hook.session.n_solved == 0
+
+
+@pytest.mark.parametrize("text, mode", [("1", "max"), ("TRUE", "max"), ("yes", "max"), ("max", "max"),
+                                        ("throughput", "throughput"), ("0", None), ("false", None), ("no", None),
+                                        ("", None)])
+def test_remat_auto_batch_size_values(monkeypatch, text, mode):
+    monkeypatch.setenv("REMAT_AUTO_BATCH_SIZE", text)
+    monkeypatch.setenv("REMAT_BATCH_MULTIPLE_OF", "8")
+    monkeypatch.setenv("REMAT_MAX_BATCH_SIZE", "64")
+    plugin = RematPlugin(budget="1GB")
+    assert (plugin.auto_batch_mode, plugin.multiple_of, plugin.max_val) == (mode, 8, 64)
+    assert plugin.to_config().budget == "1GB"  # the batch size fields stay out of RematConfig
+    assert RematPlugin(budget="1GB", auto_batch_size=True, multiple_of=4, max_val=None).auto_batch_mode == "max"
+
+
+def test_invalid_remat_auto_batch_size_names_the_variable_and_the_values(monkeypatch):
+    """REMAT_AUTO_BATCH_SIZE=eighty: prepare raises before anything is prepared; an explicit argument wins over it."""
+    monkeypatch.setenv("REMAT_AUTO_BATCH_SIZE", "eighty")
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ConfigError, match=r"REMAT_AUTO_BATCH_SIZE='eighty' is invalid.*1, true, yes or max.*"
+                                          r"throughput.*0, false, no or empty.*unset it"):
+        remat_accelerate.prepare(accelerator, _gpt2(), budget="1GB")
+    assert accelerator._models == []
+    with pytest.raises(ConfigError, match="REMAT_AUTO_BATCH_SIZE='eighty'"):
+        RematPlugin()
+    model = remat_accelerate.prepare(accelerator, _gpt2(), budget="1GB", auto_batch_size="throughput")
+    assert find_hook(model).auto_batch_size == "throughput"  # type: ignore[union-attr]
+    monkeypatch.delenv("REMAT_AUTO_BATCH_SIZE")
+    monkeypatch.setenv("REMAT_BATCH_MULTIPLE_OF", "0")
+    with pytest.raises(ConfigError, match=r"REMAT_BATCH_MULTIPLE_OF='0' is invalid: it must be a positive integer"):
+        RematPlugin()
+    monkeypatch.delenv("REMAT_BATCH_MULTIPLE_OF")
+    with pytest.raises(ConfigError, match="auto_batch_size 'eighty' is not True, False, 'max' or 'throughput'"):
+        RematPlugin(auto_batch_size="eighty")
+    with pytest.raises(ConfigError, match=r"max_val 4 \(REMAT_MAX_BATCH_SIZE\) must be an integer >= multiple_of "
+                                          r"\(8\)"):
+        remat_accelerate.prepare(accelerator, _gpt2(), budget="1GB", multiple_of=8, max_val=4)
+
+
+def test_rebuild_dataloader_keeps_the_dataset_sampler_and_options_from_a_plain_or_prepared_loader():
+    """The new loader has the new batch size and the old one's shuffling, collate_fn, drop_last and workers; a
+    prepared loader's base loader is rebuilt and the old one leaves the accelerator's list."""
+    accelerator = Accelerator(cpu=True)
+
+    def collate(rows):
+        return torch.stack([r[0] for r in rows])
+
+    plain = _loader(rows=20, batch_size=2, shuffle=True, collate_fn=collate, drop_last=True)
+    for given in (plain, accelerator.prepare(plain)):
+        before = list(accelerator._dataloaders)
+        new = rebuild_dataloader(accelerator, given, 8)
+        assert accelerator._dataloaders == [d for d in before if d is not given] + [new]
+        base = new.base_dataloader
+        assert base.dataset is plain.dataset and base.collate_fn is collate
+        assert (base.num_workers, base.pin_memory, base.batch_sampler.drop_last) == (0, False, True)
+        assert isinstance(base.batch_sampler.sampler, RandomSampler)
+        batches = list(new)
+        assert [b.shape for b in batches] == [(8, 64)] * 2  # 20 rows, drop_last
+    ordered = rebuild_dataloader(accelerator, _loader(), 4)
+    assert isinstance(ordered.base_dataloader.batch_sampler.sampler, SequentialSampler)
+    assert torch.equal(next(iter(ordered))[0], _loader().dataset.tensors[0][:4])
+
+
 # --- real launches: 2 CPU processes over gloo -------------------------------------------------------
 EXAMPLE_ARGS = ["--cpu", "--dtype", "float64", "--steps", "3"]
 MULTI = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
 
 
-def _launch(tmp: Path, name: str, command: list[str], env_extra: dict[str, str] | None = None) -> list[dict]:
+def _launch(tmp: Path, name: str, command: list[str], env_extra: dict[str, str] | None = None,
+            args: list[str] = EXAMPLE_ARGS) -> list[dict]:
     """Run ``command`` (an accelerate or remat launch of the example) and read both ranks' JSON results."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REMAT_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp / "hf_home"), **(env_extra or {}))  # no user default config
     out = tmp / name
-    proc = subprocess.run([*command, str(EXAMPLE), *EXAMPLE_ARGS, "--json", str(out)], cwd=ROOT, env=env, check=False,
+    proc = subprocess.run([*command, str(EXAMPLE), *args, "--json", str(out)], cwd=ROOT, env=env, check=False,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+    results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+    results[0]["stdout"] = proc.stdout
+    return results
 
 
 def _accelerate() -> list[str]:
@@ -314,3 +461,22 @@ def test_remat_launch_with_the_cpu_config_file(unmodified, tmp_path):
                str(ROOT / "configs" / "accelerate_cpu.yaml")]
     ours = _launch(tmp_path, "cli", command)
     _check_same_plan_same_losses_within_budget(ours, plain, budget)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_remat_auto_batch_size(tmp_path):
+    """REMAT_AUTO_BATCH_SIZE=1 REMAT_BATCH_MULTIPLE_OF=2 accelerate launch (2 processes): both ranks choose the same
+    size above --batch-size, train at it with the plan made while verifying, and stay in the budget."""
+    env = {"REMAT_BUDGET": str(AUTO_BUDGET), "REMAT_AUTO_BATCH_SIZE": "1", "REMAT_BATCH_MULTIPLE_OF": "2",
+           "REMAT_ILP_TIME_LIMIT_S": str(ILP_S)}
+    ours = _launch(tmp_path, "auto", [*_accelerate(), *MULTI], env,
+                   args=["--cpu", "--dtype", "float64", "--steps", "4", "--batch-size", "2"])
+    size = ours[0]["batch_size"]
+    assert [r["batch_size"] for r in ours] == [size, size] and size > 2 and size % 2 == 0
+    assert f"auto batch size: {size} per process (--batch-size 2)" in ours[0]["stdout"]
+    assert ours[0]["batch_size_choice"] == ours[1]["batch_size_choice"] is not None
+    assert [r["n_solved"] for r in ours] == [1, 0]  # rank 0 planned while verifying; training reused it
+    assert ours[0]["plans"] == ours[1]["plans"] and len(ours[0]["plans"]) == 1
+    for r in ours:
+        assert r["budget_bytes"] == AUTO_BUDGET and r["batch_sizes"] and set(r["batch_sizes"]) == {size}
+        assert max(r["peaks"]) <= AUTO_BUDGET and r["batch_size_trial_peak"] <= AUTO_BUDGET, r["peaks"]

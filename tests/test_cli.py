@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REMAT = [sys.executable, "-m", "remat_plugin.cli"]
+RECOMPUTED = re.compile(r"^\s+\d+\s+\d+\s+(recompute|checkpoint)\s", re.MULTILINE)  # a block row that recomputes
 
 
 def _remat(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -26,7 +28,7 @@ def test_plan_on_cpu_and_meta_agree_and_json_renders_a_png(tmp_path):
                       "--device", device, "--json", str(out), "--ilp-time-limit-s", "0.2")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "predicted peak" in proc.stdout and "smallest feasible budget" in proc.stdout
-        assert "recompute" in proc.stdout  # 45 MiB is well under the unmodified peak
+        assert RECOMPUTED.search(proc.stdout)  # 45 MiB is well under the unmodified peak
         plan = json.loads(out.read_text())
         assert plan["predicted_peak_bytes"] <= plan["budget_bytes"] == 45 * 2**20
         peaks[device] = plan["predicted_peak_bytes"]
@@ -72,3 +74,13 @@ def test_gpt2_medium_on_meta_plans_in_a_minute_under_2_gib():
     assert float(seconds) < 60, proc.stdout
     assert int(rss_kib) * 1024 < 2 * 2**30, proc.stdout
     assert "predicted peak" in proc.stdout
+
+
+def test_plan_a_module_factory_and_name_a_bad_one():
+    """``module:factory`` plans any module; a factory returning something else is named, exit code 2."""
+    proc = _remat("plan", "tests.model_factories:mlp", "--batch-size", "8", "--seq-len", "128", "--budget", "6MiB",
+                  "--ilp-time-limit-s", "0.2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "predicted peak" in proc.stdout and RECOMPUTED.search(proc.stdout)
+    bad = _remat("plan", "tests.model_factories:not_a_factory", "--budget", "6MiB")
+    assert bad.returncode == 2 and "must return (module, args, kwargs)" in bad.stderr

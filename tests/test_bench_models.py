@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from remat_plugin.bench.models import MODELS, BenchModel, build
-from remat_plugin.bench.peers import PEERS, none, per_layer_checkpoint, sqrt_n, sqrt_n_segments
+from remat_plugin.bench.peers import PEERS, drop_cheap, none, per_layer_checkpoint, sqrt_n, sqrt_n_segments
 from remat_plugin.memory import measure_peak
 
 pytest.importorskip("transformers")
@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 MODEL_NAMES = sorted(MODELS)
 CHECKPOINTING_PEERS = [name for name in PEERS if name != "none"]
 # Gradient equality depends on structure, not size: a shorter GPT-2 batch keeps float64 runs quick.
-SMALL = {"gpt2-tiny": {"batch_size": 2, "seq_len": 64}}
+SMALL = {"gpt2-tiny": {"batch_size": 2, "seq_len": 64}, "bert-tiny": {"batch_size": 2, "seq_len": 64}}
 
 
 def _grads(bench: BenchModel, peer, batch_seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -69,6 +69,16 @@ def test_gpt2_layer_count_and_dtype_options():
     assert all(p.dtype == torch.float64 for p in bench.module.parameters())
 
 
+def test_bert_masks_a_share_of_positions():
+    """bert-tiny's batch masks about 15% of the positions, and only those carry a label."""
+    bench = build("bert-tiny", batch_size=4, seq_len=128)
+    _, kwargs = bench.make_batch(0)
+    labelled = kwargs["labels"] != -100
+    assert 0.08 < labelled.float().mean() < 0.22
+    assert (kwargs["input_ids"][labelled] == bench.meta["vocab_size"] - 1).all()
+    assert bench.name == "bert-tiny" and len(bench.layers) == 4
+
+
 def test_unknown_model_raises():
     """Asking for a model that does not exist names the ones that do."""
     with pytest.raises(KeyError, match="choose one of"):
@@ -94,11 +104,18 @@ def test_per_layer_checkpoint_lowers_peak(name):
     assert _peak_bytes(bench, per_layer_checkpoint) < _peak_bytes(bench, none)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "mlp-chain"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "mlp-chain"])
 def test_sqrt_n_lowers_peak(name):
     """Chen's segmentation also measures below the plain model."""
     bench = build(name)
     assert _peak_bytes(bench, sqrt_n) < _peak_bytes(bench, none)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny"])
+def test_drop_cheap_lies_between_none_and_per_layer(name):
+    """Keeping matmul outputs saves less than per-layer checkpointing but still measures below the plain model."""
+    bench = build(name)
+    assert _peak_bytes(bench, per_layer_checkpoint) < _peak_bytes(bench, drop_cheap) < _peak_bytes(bench, none)
 
 
 @pytest.mark.parametrize("peer_name", CHECKPOINTING_PEERS)

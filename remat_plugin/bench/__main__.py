@@ -6,19 +6,38 @@ Example::
 
 Budgets are fractions of the unmodified model's measured step peak. See ``bench/run.py`` for
 what is measured and how.
+
+``python -m remat_plugin.bench compare --models gpt2-tiny,bert-tiny --out results/`` adds Chen's
+drop-cheap-ops rule and torch.compile's activation_memory_budget to the peers, plans ours at every
+peer's measured peak too, and writes a Markdown table, a JSON file and two PNG plots (the
+memory–time frontier, the memory timeline of one step); see ``bench/compare.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
 import logging
+import os
+import platform
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from remat_plugin.bench.models import MODELS
-from remat_plugin.bench.report import compare_with_peers, format_comparisons, format_table, to_json
+from remat_plugin.bench.report import (
+    compare_with_peers,
+    format_compare,
+    format_comparisons,
+    format_table,
+    frontier_comparison,
+    to_json,
+)
 from remat_plugin.bench.run import LAYER_COUNT_ARG, run_bench
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -67,12 +86,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def _setup(args: argparse.Namespace) -> bool:
+    """Logging; False (after saying why) when CUDA is asked for and there is none."""
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=logging.WARNING)
     logging.getLogger("remat_plugin" if args.verbose else "remat_plugin.bench").setLevel(logging.INFO)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("remat_plugin.bench: --device cuda asked for, but no CUDA device is available; skipping.")
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        return compare_main(argv[1:])
+    if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
+        from remat_plugin.bench.batch_size_bench import main as batch_size_main
+
+        batch_size_main(argv[1:])
+        return 0
+    args = parse_args(argv)
+    if not _setup(args):
         return 0
 
     t0 = time.perf_counter()
@@ -92,6 +126,109 @@ def main(argv: list[str] | None = None) -> int:
         settings["wall_s"] = wall_s
         with open(args.json, "w") as f:
             f.write(to_json(rows, settings))
+    return 0
+
+
+# --- compare ----------------------------------------------------------------------------------
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read ratios {text!r}; give values in [0, 1] such as 1,0.5") from None
+    if not ratios or any(not 0 <= r <= 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"activation_memory_budget ratios {text!r} must lie in [0, 1]")
+    return list(dict.fromkeys(ratios))
+
+
+def parse_compare_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m remat_plugin.bench compare",
+        description="Ours against every peer (checkpointing, Chen's rules, torch.compile's"
+        " activation_memory_budget) on one memory-time frontier: table, JSON, plots.",
+    )
+    parser.add_argument("--models", type=_names, default=["gpt2-tiny", "bert-tiny", "resnet-tiny", "mlp-chain"],
+                        help="model names, comma-separated")  # fmt: skip
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--out", default="results", help="folder for compare_<device>.{md,json,frontier.png,timeline.png}")
+    parser.add_argument("--pairs", type=int, default=5, help="timed (none, strategy) step pairs per point")
+    parser.add_argument("--budgets", type=_fractions, default=[1.0, 0.5, 0.3],
+                        help="our budgets as fractions of none's measured peak (besides the peers' peaks)")  # fmt: skip
+    parser.add_argument("--amb-ratios", type=_ratios, default=[1.0, 0.7, 0.5, 0.3],
+                        help="torch.compile activation_memory_budget values")  # fmt: skip
+    parser.add_argument("--backend", default=None, help="torch.compile backend (default: aot_eager on CPU, inductor on CUDA)")
+    parser.add_argument("--no-match", action="store_true", help="do not plan ours at each peer's measured peak")
+    parser.add_argument("--timeline-budget", type=float, default=0.4,
+                        help="the timeline shows ours at the feasible budget nearest this fraction")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
+    parser.add_argument("--seed", type=int, default=0, help="model weights seed")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log remat_plugin's planning too")
+    args = parser.parse_args(argv)
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be at least 1")
+    return args
+
+
+METER_NOTES = {
+    "cpu": "allocator events of the profiler (memory.measure_peak_profiler) for every point, the only CPU meter"
+    " that sees compiled graphs; the dispatch-mode PeakMeter is shown for eager points as a cross-check.",
+    "cuda": "max_memory_allocated above the step's start (PeakMeter) for every point.",
+}
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def compare_main(argv: list[str]) -> int:
+    """Run the comparison and write ``compare_<device>.md``, ``.json``, ``.frontier.png``, ``.timeline.png``."""
+    from remat_plugin.bench.compare import COMPARE_SCHEMA_VERSION, CompareSettings, run_compare
+    from remat_plugin.bench.plots import plot_frontier, plot_timelines
+
+    args = parse_compare_args(argv)
+    if not _setup(args):
+        return 0
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    settings = CompareSettings(
+        models=tuple(args.models), device=args.device, dtype=args.dtype, pairs=args.pairs,
+        fractions=tuple(args.budgets), amb_ratios=tuple(args.amb_ratios), backend=args.backend,
+        match_peers=not args.no_match, timeline_fraction=args.timeline_budget, seed=args.seed,
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result = run_compare(settings)
+    payload: dict[str, Any] = {
+        "schema_version": COMPARE_SCHEMA_VERSION,
+        "settings": {
+            **dataclasses.asdict(settings),
+            "backend": args.backend or ("inductor" if args.device == "cuda" else "aot_eager"),  # peers.py's default
+            "threads": torch.get_num_threads(),
+        },
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "machine": _machine(args.device),
+        "torch_version": torch.__version__,
+        "wall_s": time.perf_counter() - t0,
+        "meter_note": METER_NOTES[args.device],
+        "points": result["points"],
+        "comparisons": frontier_comparison(result["points"]),
+        "timelines": result["timelines"],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"compare_{args.device}"
+    markdown = format_compare(payload)
+    Path(f"{stem}.md").write_text(markdown)
+    Path(f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    plot_frontier(payload["points"], f"{stem}.frontier.png", args.device)
+    plot_timelines(payload["timelines"], f"{stem}.timeline.png", args.device)
+    print(markdown)
+    print(f"wrote {stem}.md, .json, .frontier.png, .timeline.png; compare took {payload['wall_s']:.0f} s.")
     return 0
 
 

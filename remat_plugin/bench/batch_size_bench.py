@@ -1,4 +1,4 @@
-"""``python -m remat_plugin.bench.batch_size_bench``: our planned batch size against Lightning's BatchSizeFinder.
+"""``python -m remat_plugin.bench batch-size``: our planned batch size against Lightning's BatchSizeFinder.
 
 One process, one model, one budget ``B`` enforced by the same meter for both: a training
 step whose peak (forward, backward, optimizer step) rises more than ``B`` above its start
@@ -9,7 +9,7 @@ interleaved pairs of steps (theirs unmodified at their size, ours planned at our
 choice, the next size up (``+ multiple_of``) is planned at its smallest feasible budget and
 one step of it measured, to show it does not fit ``B`` under any plan we can find.
 
-    python -m remat_plugin.bench.batch_size_bench --budget 150MiB --json results/batch_size_cpu.json
+    python -m remat_plugin.bench batch-size --budget 150MiB --json results/batch_size_cpu.json
 """
 from __future__ import annotations
 
@@ -206,7 +206,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m remat_plugin.bench batch-size",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="150MiB", help="the step budget both finders must respect")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)

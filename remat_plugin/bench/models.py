@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "BenchModel", "build", "gpt2_tiny", "mlp_chain", "resnet_tiny"]
+__all__ = ["MODELS", "BenchModel", "bert_tiny", "build", "gpt2_tiny", "mlp_chain", "resnet_tiny"]
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -107,6 +107,67 @@ def gpt2_tiny(
         make_batch=make_batch,
         loss=lambda output: output.loss,
         layers=list(module.transformer.h),
+        hf_gradient_checkpointing=True,
+        meta={"n_layer": n_layer, "batch_size": batch_size, "seq_len": seq_len, "vocab_size": vocab_size},
+    )
+
+
+# --- bert-tiny ---------------------------------------------------------------------------------
+
+
+def bert_tiny(
+    n_layer: int = 4,
+    batch_size: int = 8,
+    seq_len: int = 256,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> BenchModel:
+    """HF BERT masked-LM with random weights (never ``from_pretrained``): 256 wide, 4 heads, ``n_layer`` layers.
+
+    An encoder next to gpt2-tiny's decoder: bidirectional attention, post-LayerNorm, an MLM head
+    (dense + GELU + LayerNorm before the decoder) whose activations the checkpointing peers never
+    touch. The vocabulary is cut to 1000 tokens for the same reason as gpt2-tiny's. The batch
+    masks 15% of the positions, as BERT pre-training does; only those carry a label.
+    """
+    from transformers import BertConfig, BertForMaskedLM  # optional dependency; only this model needs it
+
+    vocab_size = 1000
+    mask_token_id = vocab_size - 1  # stands in for [MASK]; random input tokens are drawn below it
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        num_hidden_layers=n_layer,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=256,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        pad_token_id=0,
+        use_cache=False,  # training: no cache (HF's checkpointing would turn it off with a warning)
+    )
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(
+            f"bench.models: seq_len {seq_len} exceeds max_position_embeddings {config.max_position_embeddings};"
+            " lower seq_len."
+        )
+    with _seeded(seed):
+        module = BertForMaskedLM(config).to(device=device, dtype=dtype).train()  # type: ignore[call-arg]
+
+    def make_batch(batch_seed: int) -> Batch:
+        gen = _generator(batch_seed)
+        tokens = torch.randint(1, mask_token_id, (batch_size, seq_len), generator=gen)
+        masked = torch.rand(batch_size, seq_len, generator=gen) < 0.15
+        input_ids = torch.where(masked, torch.full_like(tokens, mask_token_id), tokens)
+        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))  # -100: ignored by the loss
+        return (), {"input_ids": input_ids.to(device), "labels": labels.to(device)}
+
+    return BenchModel(
+        name="bert-tiny" if n_layer == 4 else f"bert-tiny-{n_layer}l",
+        module=module,
+        make_batch=make_batch,
+        loss=lambda output: output.loss,
+        layers=list(module.bert.encoder.layer),
         hf_gradient_checkpointing=True,
         meta={"n_layer": n_layer, "batch_size": batch_size, "seq_len": seq_len, "vocab_size": vocab_size},
     )
@@ -235,6 +296,7 @@ def resnet_tiny(
 
 
 MODELS: dict[str, Callable[..., BenchModel]] = {
+    "bert-tiny": bert_tiny,
     "gpt2-tiny": gpt2_tiny,
     "mlp-chain": mlp_chain,
     "resnet-tiny": resnet_tiny,

@@ -13,6 +13,11 @@ backward), leaving restores the model exactly, even when the block raises::
 - ``sqrt_n``: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost": the n layers cut
   into about sqrt(n) segments, only each segment's input kept, the segment recomputed in backward,
   for O(sqrt(n)) activation memory at the cost of one extra forward.
+- ``drop_cheap``: Chen et al. 2016, section 4.2, "Drop the results of low cost operations": keep
+  what is expensive to compute, recompute the cheap ops (NOTE [drop cheap ops]).
+- ``compiled_memory_budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
+  (the min-cut partitioner's knapsack), the strongest mainstream automatic peer. It takes a ratio
+  and compiles once, so it is not in :data:`PEERS`; see its docstring for how to measure it.
 
 Like any plain ``torch.utils.checkpoint`` user, the checkpointing peers re-run BatchNorm's
 running-statistics update during recomputation, so after a step the running stats (and
@@ -29,12 +34,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from remat_plugin.bench.models import BenchModel
 from remat_plugin.solve.baselines import sqrt_n_segments
 
-__all__ = ["PEERS", "Step", "none", "per_layer_checkpoint", "sqrt_n", "sqrt_n_segments"]
+__all__ = [
+    "EXPENSIVE_OPS", "PEERS", "Step", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",
+    "sqrt_n", "sqrt_n_segments",
+]  # fmt: skip
 
 Step = Callable[[tuple[Any, ...], dict[str, Any]], torch.Tensor]
 
@@ -83,10 +91,75 @@ def sqrt_n(bench: BenchModel) -> Iterator[Step]:
         yield _step(bench)
 
 
+# NOTE [drop cheap ops]
+# Chen et al. (section 4.2) keep "the result of convolution, but drop the result of the batch
+# normalization, activation function and pooling": recomputing those costs little time and frees
+# their outputs. Their rule is about ops, not layers, so the faithful PyTorch form is selective
+# activation checkpointing: each repeated layer runs under non-reentrant ``torch.utils.checkpoint``
+# with a policy that marks the outputs of the expensive ops MUST_SAVE (kept, never recomputed) and
+# every other op PREFER_RECOMPUTE (dropped, recomputed in backward from the saved ones and the
+# layer's input). "Expensive" is what dominates FLOPs in these models: matrix products, convolutions
+# and fused attention kernels. Dropout is recomputed with the RNG state checkpoint restores, so
+# gradients stay equal to the plain model's. Like per-layer checkpointing it only covers the
+# repeated layers; embeddings and heads keep everything.
+
+_aten = torch.ops.aten
+EXPENSIVE_OPS = frozenset({
+    _aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm, _aten.convolution,
+    _aten._scaled_dot_product_flash_attention_for_cpu, _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_efficient_attention, _aten._scaled_dot_product_cudnn_attention,
+})  # fmt: skip
+
+
+def _keep_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy of NOTE [drop cheap ops]."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@contextmanager
+def drop_cheap(bench: BenchModel) -> Iterator[Step]:
+    """Chen's "drop the results of low cost operations", per repeated layer (NOTE [drop cheap ops])."""
+    context_fn = partial(create_selective_checkpoint_contexts, _keep_expensive)
+    with _checkpoint_segments(bench.layers, [[i] for i in range(len(bench.layers))], context_fn):
+        yield _step(bench)
+
+
+@contextmanager
+def compiled_memory_budget(bench: BenchModel, ratio: float, backend: str | None = None) -> Iterator[Step]:
+    """``torch.compile(bench.module)`` with ``activation_memory_budget=ratio`` for as long as the block runs.
+
+    The ratio is read when the graph is partitioned, at the first call, and again at any recompile,
+    so the config patch stays on for the whole block, and dynamo's caches are reset on entry and
+    exit so no graph of another ratio is reused. ``backend`` defaults to ``inductor`` on CUDA and
+    ``aot_eager`` elsewhere (same partitioner, no codegen). Measure its memory with a meter that sees
+    compiled code (``memory.measure_peak_profiler`` on CPU, the CUDA counters on GPU): while a
+    ``TorchDispatchMode`` such as the CPU ``PeakMeter`` is active dynamo runs the model eagerly, and
+    the compiled module keeps running eagerly after it (seen with torch 2.13).
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"bench.peers: activation_memory_budget must lie in [0, 1], got {ratio}; pick e.g. 0.5.")
+    param = next(bench.module.parameters(), None)
+    if backend is None:
+        backend = "inductor" if param is not None and param.device.type == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    compiled = torch.compile(bench.module, backend=backend)
+
+    def step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        return bench.loss(compiled(*args, **kwargs))
+
+    try:
+        with torch._functorch.config.patch(activation_memory_budget=ratio):
+            yield step
+    finally:
+        torch._dynamo.reset()
+
+
 PEERS: dict[str, Callable[[BenchModel], Any]] = {
     "none": none,
     "per_layer_checkpoint": per_layer_checkpoint,
     "sqrt_n": sqrt_n,
+    "drop_cheap": drop_cheap,
 }
 
 
@@ -106,8 +179,12 @@ def _run_segment(forwards: list[Callable[..., Any]], hidden: Any, *args: Any, **
     return hidden
 
 
-def _checkpointed(run: Callable[..., Any], hidden: Any, *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(run, hidden, *args, use_reentrant=False, **kwargs)
+def _checkpointed(
+    run: Callable[..., Any], context_fn: Callable[[], Any] | None, hidden: Any, *args: Any, **kwargs: Any
+) -> Any:
+    if context_fn is None:
+        return checkpoint(run, hidden, *args, use_reentrant=False, **kwargs)
+    return checkpoint(run, hidden, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def _pass_hidden(hidden: Any, *args: Any, **kwargs: Any) -> Any:
@@ -115,8 +192,10 @@ def _pass_hidden(hidden: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 @contextmanager
-def _checkpoint_segments(layers: list[nn.Module], segments: list[list[int]]) -> Iterator[None]:
-    """Checkpoint each segment of ``layers`` (NOTE [segment patching]); restore on exit."""
+def _checkpoint_segments(
+    layers: list[nn.Module], segments: list[list[int]], context_fn: Callable[[], Any] | None = None
+) -> Iterator[None]:
+    """Checkpoint each segment of ``layers`` (NOTE [segment patching]), with ``context_fn`` if given; restore on exit."""
     covered = sorted(i for segment in segments for i in segment)
     assert covered == list(range(len(layers))), f"segments {segments} do not partition {len(layers)} layers"
     _missing = object()
@@ -124,7 +203,7 @@ def _checkpoint_segments(layers: list[nn.Module], segments: list[list[int]]) -> 
     try:
         for segment in segments:
             forwards = [layers[i].forward for i in segment]
-            layers[segment[0]].forward = partial(_checkpointed, partial(_run_segment, forwards))
+            layers[segment[0]].forward = partial(_checkpointed, partial(_run_segment, forwards), context_fn)
             for i in segment[1:]:
                 layers[i].forward = _pass_hidden
         yield

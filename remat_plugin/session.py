@@ -86,6 +86,7 @@ class RematSession:
         self.n_solved = 0  # plans solved in this process (not replayed, loaded or received)
         self.n_replayed = 0  # steps built from a known plan
         self.plan: Plan | None = None  # the plan of the latest training call
+        self._plan_of: dict[str, Plan] = {}  # exact signature key -> the plan its step runs
         self._busy = False
         self._recording = False
         self._warned_ranks = False
@@ -113,6 +114,7 @@ class RematSession:
         sig = signature(self.module, args, kwargs)
         key = key_of(sig)
         step = self._step_for(sig, key, args, kwargs)
+        self.plan = self._plan_of.get(key, self.plan)
         try:
             return step(args, kwargs)
         except PlanMismatch as exc:  # raised by a replayed step's first call, before anything ran
@@ -180,11 +182,11 @@ class RematSession:
     def _replay(self, plan: Plan, key: str, args: tuple, kwargs: dict, budget: int) -> Step:
         step, info = replay_step(self.module, args, kwargs, plan, budget, key)
         self.n_replayed += 1
-        self.plan = plan
+        self.plan = self._plan_of[key] = plan
 
         def run(a: tuple, k: dict):
             out = step(a, k)
-            self.plan = info.get("plan", plan)
+            self.plan = self._plan_of[key] = info.get("plan", plan)  # its predicted peak at these sizes
             return out
 
         return run
@@ -221,6 +223,7 @@ class RematSession:
             with unobserved(self.module, device_of(args, kwargs, self.module)):
                 step(args, kwargs)  # traces and plans; the outputs are dropped
         plan = info["plan"]
+        self._plan_of[key] = plan
         self._add_plan(key, plan, solved=True)
         self._save_to_disk(key, plan)
         return plan, step

@@ -146,3 +146,16 @@ def test_remat_yaml_lists_every_option_with_its_default():
     values = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "remat.yaml"))
     assert set(values) == {f.name for f in dataclasses.fields(RematConfig)}
     assert RematConfig.from_dict(values) == RematConfig()
+
+
+def test_session_plan_is_the_plan_of_the_latest_call():
+    """Going back to an earlier shape reports that shape's plan again."""
+    bench = mlp_chain(n_blocks=2, width=64, batch_size=16)
+    session = _session(bench)
+    (x, y), _ = bench.make_batch(0)
+    bench.module(x, y).backward()
+    first = session.plan
+    bench.module(torch.cat([x, x]), torch.cat([y, y])).backward()  # a larger batch: a new plan
+    assert session.plan is not first
+    bench.module(x, y).backward()
+    assert session.plan is first

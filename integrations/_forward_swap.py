@@ -62,3 +62,22 @@ class ForwardSwap:
             self.module.__dict__.pop("forward", None)
         else:
             self.module.forward = self._previous  # type: ignore[method-assign]
+
+
+def settle_checkpointing(target: nn.Module, prefix: str, info: Callable[[str], Any],
+                         warn: Callable[[str], Any]) -> list[str]:
+    """Ready ``target`` for a remat plan, telling the user through ``info``/``warn``; returns what we cannot undo.
+
+    The HF cache goes off (see :func:`disable_hf_cache`) and HF's own checkpointing goes off (the
+    plan decides what to recompute).  ``CheckpointWrapper`` modules cannot be unwrapped: their
+    names come back, and the caller stays off rather than checkpoint twice.
+    """
+    for name in disable_hf_cache(target):
+        info(f"{prefix}: setting use_cache=False on {name} (a cache returned by a training forward keeps every "
+             "layer's keys and values alive; transformers does the same under checkpointing)")
+    hf, wrapped = find_double_checkpointing(target)
+    for model in hf:
+        warn(f"{prefix}: turning off gradient checkpointing of {type(model).__name__}; the remat plan decides what "
+             "to recompute (gradients are unchanged)")
+        disable_hf_checkpointing(model)
+    return wrapped

@@ -63,7 +63,7 @@ from remat_plugin.optimizer_state import unwrap
 from remat_plugin.plan import Plan
 from remat_plugin.session import RematSession
 
-from ._forward_swap import disable_hf_cache, disable_hf_checkpointing, find_double_checkpointing
+from ._forward_swap import settle_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -349,16 +349,10 @@ def _check_supported(accelerator: Accelerator) -> None:
 
 def _avoid_double_checkpointing(model: nn.Module) -> bool:
     """Our plan replaces HF gradient checkpointing; ``CheckpointWrapper`` modules, which we cannot undo, turn us off."""
-    for name in disable_hf_cache(model):
-        if _rank_zero():
-            log.info("remat_plugin.accelerate: setting use_cache=False on %s (a cache returned by a training forward "
-                     "keeps every layer's keys and values alive; transformers does the same under checkpointing)", name)
-    hf, wrapped = find_double_checkpointing(model)
-    for m in hf:
-        if _rank_zero():
-            log.warning("remat_plugin.accelerate: turning off gradient checkpointing of %s; the remat plan decides "
-                        "what to recompute (gradients are unchanged)", type(m).__name__)
-        disable_hf_checkpointing(m)
+    def tell(level: int) -> Callable[[str], None]:
+        return lambda message: log.log(level, "%s", message) if _rank_zero() else None
+
+    wrapped = settle_checkpointing(model, "remat_plugin.accelerate", tell(logging.INFO), tell(logging.WARNING))
     if wrapped:
         if _rank_zero():
             log.warning("remat_plugin.accelerate: the model already uses CheckpointWrapper modules (%s); remat stays "

@@ -27,7 +27,7 @@ from remat_plugin.errors import RematError, human_bytes
 from remat_plugin.plan import Plan
 from remat_plugin.session import RematSession
 
-from ._forward_swap import ForwardSwap, disable_hf_cache, disable_hf_checkpointing, find_double_checkpointing
+from ._forward_swap import ForwardSwap, settle_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -166,14 +166,7 @@ class AutoRemat(pl.Callback):
 
     def _avoid_double_checkpointing(self, trainer: pl.Trainer, target: nn.Module) -> bool:
         """Our plan replaces HF gradient checkpointing; wrappers and FSDP policies we cannot undo turn us off."""
-        for name in disable_hf_cache(target):
-            rank_zero_info(f"AutoRemat: setting use_cache=False on {name} (a cache returned by a training forward "
-                           "keeps every layer's keys and values alive; transformers does the same under checkpointing)")
-        hf, wrapped = find_double_checkpointing(target)
-        for model in hf:
-            rank_zero_warn(f"AutoRemat: turning off gradient checkpointing of {type(model).__name__}; "
-                           "the remat plan decides what to recompute (gradients are unchanged)")
-            disable_hf_checkpointing(model)
+        wrapped = settle_checkpointing(target, "AutoRemat", rank_zero_info, rank_zero_warn)
         policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
         if wrapped or policy:
             what = f"CheckpointWrapper modules ({', '.join(wrapped[:3])})" if wrapped else "the FSDP " \

@@ -45,11 +45,10 @@ from typing import Any
 
 import torch
 
-from remat_plugin.api import RematModule, rematerialize
+from remat_plugin.api import RematModule
 from remat_plugin.bench.models import BenchModel, build
 from remat_plugin.bench.peers import compiled_memory_budget, drop_cheap, none, per_layer_checkpoint, sqrt_n
-from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, _time_ratios
-from remat_plugin.errors import InfeasibleBudgetError, RematError
+from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, _time_ratios, plan_timed
 from remat_plugin.memory import PeakMeter, _StorageTracker, measure_peak_profiler
 from remat_plugin.problem import Schedule
 from remat_plugin.simulate import simulate
@@ -308,18 +307,14 @@ def _ours_point(
         log.info("%s %s: below the smallest feasible budget %d", bench.name, label, floor)
         point.update(infeasible=True, min_feasible_bytes=floor)
         return point, None
-    log.info("%s %s: planning for %d bytes", bench.name, label, budget_bytes)
-    t0 = time.perf_counter()
-    try:
-        rm = rematerialize(bench.module, *ctx.batch, budget=budget_bytes)
-    except InfeasibleBudgetError as exc:
-        point.update(infeasible=True, min_feasible_bytes=exc.min_feasible_bytes, plan_s=time.perf_counter() - t0)
+    attempt = plan_timed(bench, ctx.batch, budget_bytes, label)
+    if attempt.min_feasible_bytes is not None:
+        point.update(infeasible=True, min_feasible_bytes=attempt.min_feasible_bytes, plan_s=attempt.plan_s)
         return point, None
-    except RematError as exc:  # one model that cannot be planned should not end the whole run
-        log.warning("%s %s: %s", bench.name, label, exc)
-        point["error"] = str(exc)
+    if attempt.rm is None:
+        point["error"] = attempt.error
         return point, None
-    plan_s = time.perf_counter() - t0  # capture + profile + solve, as a user waits for it
+    rm, plan_s = attempt.rm, attempt.plan_s
     plan = rm.plan
     assert plan is not None, "rematerialize returned a module without a plan"
     loss_of = bench.loss

@@ -27,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,6 +109,31 @@ def run_model(
     return rows
 
 
+@dataclass
+class PlanAttempt:
+    """What planning at one budget gave: a module, or the smallest feasible budget, or an error."""
+
+    rm: RematModule | None
+    plan_s: float  # capture + profile + solve, as the user waits for it
+    min_feasible_bytes: int | None = None  # set when the budget is infeasible
+    error: str | None = None  # set when the model could not be planned at all
+
+
+def plan_timed(bench: BenchModel, batch: Batch, budget_bytes: int, label: str) -> PlanAttempt:
+    """``rematerialize`` at ``budget_bytes``, timed; an infeasible budget or a model that cannot be captured
+    becomes an attempt that says so, so one point does not end the whole run."""
+    log.info("%s %s: planning for %d bytes", bench.name, label, budget_bytes)
+    t0 = time.perf_counter()
+    try:
+        rm = rematerialize(bench.module, batch[0], batch[1], budget=budget_bytes)
+    except InfeasibleBudgetError as exc:
+        return PlanAttempt(None, time.perf_counter() - t0, min_feasible_bytes=exc.min_feasible_bytes)
+    except RematError as exc:
+        log.warning("%s %s: %s", bench.name, label, exc)
+        return PlanAttempt(None, time.perf_counter() - t0, error=str(exc))
+    return PlanAttempt(rm, time.perf_counter() - t0)
+
+
 def _ours_row(context: _RunContext, fraction: float, min_feasible_bytes: int | None) -> tuple[BenchRow, int | None]:
     bench = context.bench
     budget_bytes = int(fraction * context.none_peak)
@@ -118,19 +144,15 @@ def _ours_row(context: _RunContext, fraction: float, min_feasible_bytes: int | N
         )
         row = context.infeasible_row(name, fraction, budget_bytes, min_feasible_bytes, plan_wall_s=None)
         return row, min_feasible_bytes
-    log.info("%s %s: planning for %d bytes", bench.name, name, budget_bytes)
-    t0 = time.perf_counter()
-    try:
-        rm = rematerialize(bench.module, *context.batch, budget=budget_bytes)
-    except InfeasibleBudgetError as exc:
-        row = context.infeasible_row(name, fraction, budget_bytes, exc.min_feasible_bytes, time.perf_counter() - t0)
-        return row, exc.min_feasible_bytes
-    except RematError as exc:  # one model that cannot be captured should not end the whole run
-        log.warning("%s %s: %s", bench.name, name, exc)
+    attempt = plan_timed(bench, context.batch, budget_bytes, name)
+    if attempt.min_feasible_bytes is not None:
+        row = context.infeasible_row(name, fraction, budget_bytes, attempt.min_feasible_bytes, attempt.plan_s)
+        return row, attempt.min_feasible_bytes
+    if attempt.rm is None:
         row = context.base_row(name, fraction, budget_bytes)
-        row["error"] = str(exc)
+        row["error"] = attempt.error
         return row, min_feasible_bytes
-    plan_wall_s = time.perf_counter() - t0
+    rm, plan_wall_s = attempt.rm, attempt.plan_s
     row = _measure_plan(context, rm, fraction, budget_bytes)
     row["plan_wall_s"] = plan_wall_s  # capture + profile + solve, as the user waits for it
     return row, row["min_feasible_bytes"]

@@ -32,10 +32,10 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from remat_plugin.budget import parse_budget
+from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import human_bytes
 from remat_plugin.integrations import accelerate as remat_accelerate
-from remat_plugin.memory import PeakMeter
+from remat_plugin.runtime.budget import parse_budget
 
 
 def build_model(opts: argparse.Namespace):

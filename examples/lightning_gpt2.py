@@ -20,10 +20,10 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from remat_plugin.config import RematConfig
+from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import human_bytes
 from remat_plugin.integrations.lightning import AutoRemat
-from remat_plugin.memory import PeakMeter
+from remat_plugin.runtime.config import RematConfig
 
 
 @dataclass

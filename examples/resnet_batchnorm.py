@@ -16,8 +16,8 @@ import torch
 
 from remat_plugin import rematerialize
 from remat_plugin.bench.models import resnet_tiny
+from remat_plugin.capture.memory_meter import measure_peak
 from remat_plugin.errors import human_bytes
-from remat_plugin.memory import measure_peak
 
 
 def train_step(model, batch, optimizer) -> float:

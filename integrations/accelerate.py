@@ -4,7 +4,7 @@
 underlying module with ``add_hook_to_module(..., append=True)``, so it composes with Accelerate's
 own hooks.  The hook is thin: ``add_hook_to_module`` keeps the real forward in
 ``module._old_forward`` before it calls ``init_hook``, and calls ``_old_forward`` after every
-hook's ``pre_forward``; ``init_hook`` puts a :class:`~remat_plugin.session.RematSession`
+hook's ``pre_forward``; ``init_hook`` puts a :class:`~remat_plugin.runtime.session.RematSession`
 dispatcher there and ``detach_hook`` puts the real forward back.  The session plans on the first
 training call (the real batch, after the other hooks moved it), re-plans per shape bucket, and
 with several processes rank 0 plans and every rank runs the same plan.  No module is replaced,
@@ -54,16 +54,15 @@ from accelerate.utils import DistributedType, DynamoBackend, extract_model_from_
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from remat_plugin.auto_batch import tune_batch_size
-from remat_plugin.batch_size import OBJECTIVES, BatchSizeChoice
-from remat_plugin.buckets import describe
-from remat_plugin.config import ENV_PREFIX, ConfigError, RematConfig
+from remat_plugin.batch_size.search import OBJECTIVES, BatchSizeChoice
+from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import RematError
-from remat_plugin.optimizer_state import unwrap
-from remat_plugin.plan import Plan
-from remat_plugin.session import RematSession
-
-from ._forward_swap import settle_checkpointing
+from remat_plugin.integrations._forward_swap import settle_checkpointing
+from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.config import ENV_PREFIX, ConfigError, RematConfig
+from remat_plugin.runtime.optimizer_state import unwrap
+from remat_plugin.runtime.session import RematSession
+from remat_plugin.runtime.signature import describe
 
 log = logging.getLogger(__name__)
 
@@ -414,7 +413,7 @@ def choose_batch_size(accelerator: Accelerator, model: nn.Module, example_inputs
     then every rank runs one real forward+backward at that size through the hook and the largest
     peak of all ranks decides (one notch smaller if it is over the budget).  That step's plan is
     kept, so the first training step at this size does not plan again.  Every rank returns the
-    same size; the :class:`~remat_plugin.batch_size.BatchSizeChoice` is kept in
+    same size; the :class:`~remat_plugin.batch_size.search.BatchSizeChoice` is kept in
     ``find_hook(model).batch_size_choice`` and its summary logged on the main process.  With auto
     batch size off (or no budget, so no hook), this returns ``default`` and does nothing else.
 

@@ -1,6 +1,6 @@
 """Lightning: ``Trainer(callbacks=[AutoRemat(budget="80%")])``.
 
-The callback is thin: it picks the module to rewrite, puts a :class:`~remat_plugin.session.RematSession`
+The callback is thin: it picks the module to rewrite, puts a :class:`~remat_plugin.runtime.session.RematSession`
 dispatcher in place of its forward in ``setup``, and restores it in ``teardown``.  The session
 plans on the first training call (the real batch, already on the device, inside the first
 step), re-plans per shape bucket and keeps plans in the callback's checkpoint state.  No module
@@ -19,15 +19,14 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from remat_plugin.auto_batch import tune_batch_size
-from remat_plugin.batch_size import BatchSizeChoice
-from remat_plugin.buckets import BucketPolicy, describe
-from remat_plugin.config import RematConfig
+from remat_plugin.batch_size.search import BatchSizeChoice
+from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import RematError, human_bytes
-from remat_plugin.plan import Plan
-from remat_plugin.session import RematSession
-
-from ._forward_swap import ForwardSwap, settle_checkpointing
+from remat_plugin.integrations._forward_swap import ForwardSwap, settle_checkpointing
+from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.config import RematConfig
+from remat_plugin.runtime.session import RematSession
+from remat_plugin.runtime.signature import BucketPolicy, describe
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """remat_plugin: make PyTorch training fit a memory budget by planned rematerialization."""
-from .api import RematModule, rematerialize
-from .errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, RematError
-from .plan import Plan
+from remat_plugin.errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, RematError
+from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.module import RematModule, rematerialize
 
 
 def __getattr__(name: str):

@@ -21,8 +21,7 @@ from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, TensorDataset
 
 from remat_plugin import cli
-from remat_plugin.budget import parse_budget
-from remat_plugin.config import ConfigError
+from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import BudgetFormatError, RematError
 from remat_plugin.integrations import accelerate as remat_accelerate
 from remat_plugin.integrations._forward_swap import find_double_checkpointing
@@ -33,8 +32,9 @@ from remat_plugin.integrations.accelerate import (
     plans_file,
     rebuild_dataloader,
 )
-from remat_plugin.memory import PeakMeter
-from remat_plugin.plan import Plan
+from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.budget import parse_budget
+from remat_plugin.runtime.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "accelerate_gpt2.py"

@@ -7,8 +7,8 @@ from torch import nn
 
 from remat_plugin import CaptureError, InfeasibleBudgetError, rematerialize
 from remat_plugin.bench.models import build
-from remat_plugin.memory import measure_peak
-from remat_plugin.plan import budget_for_peak
+from remat_plugin.capture.memory_meter import measure_peak
+from remat_plugin.ir.plan import budget_for_peak
 
 SMALL = {
     "gpt2-tiny": {"n_layer": 2, "batch_size": 4, "seq_len": 64},

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from remat_plugin.bench.batch_size_bench import format_report, run  # noqa: E402
+from remat_plugin.bench.batch_size_bench import format_report, run
 
 
 @pytest.mark.slow

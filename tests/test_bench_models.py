@@ -5,7 +5,7 @@ import torch
 
 from remat_plugin.bench.models import MODELS, BenchModel, build
 from remat_plugin.bench.peers import PEERS, drop_cheap, none, per_layer_checkpoint, sqrt_n, sqrt_n_segments
-from remat_plugin.memory import measure_peak
+from remat_plugin.capture.memory_meter import measure_peak
 
 pytest.importorskip("transformers")
 

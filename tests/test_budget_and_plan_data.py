@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from remat_plugin.budget import parse_budget
 from remat_plugin.errors import BudgetFormatError
-from remat_plugin.plan import BlockChoice, Plan, budget_for_peak, safety_margin
+from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_margin
+from remat_plugin.runtime.budget import parse_budget
 
 
 @pytest.mark.parametrize(

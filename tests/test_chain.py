@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from remat_plugin.simulate import InvalidScheduleError
-from remat_plugin.solve.chain import (
+from remat_plugin.ir.simulate import InvalidScheduleError
+from remat_plugin.planning.solvers.chain import (
     ChainAction,
     ChainBlock,
     ChainOption,

@@ -7,11 +7,11 @@ import itertools
 import pulp
 import pytest
 
-from remat_plugin.problem import Op, Problem, Schedule, Value
-from remat_plugin.simulate import simulate
+from remat_plugin.ir.problem import Op, Problem, Schedule, Value
+from remat_plugin.ir.simulate import simulate
+from remat_plugin.planning.solvers.greedy import UnrecomputableValueError, recompute_on_demand
+from remat_plugin.planning.solvers.ilp import BlockOption, block_menu, solve_schedule
 from remat_plugin.solve import pulp_backend
-from remat_plugin.solve.greedy import UnrecomputableValueError, recompute_on_demand
-from remat_plugin.solve.ilp import BlockOption, block_menu, solve_schedule
 
 
 def _problem(
@@ -214,7 +214,7 @@ def test_recompute_on_demand_refuses_unrecomputable() -> None:
 
 def test_rounded_relaxation_fallback_fits() -> None:
     """The LP-relaxation rounding fallback returns only simulator-checked schedules."""
-    from remat_plugin.solve.ilp import _BlockIlp
+    from remat_plugin.planning.solvers.ilp import _BlockIlp
 
     p = chain(7)
     peak = simulate(p, Schedule.keep_all(p)).peak_bytes - 10
@@ -227,7 +227,7 @@ def test_rounded_relaxation_fallback_fits() -> None:
 
 def test_repeated_solves_reuse_one_model() -> None:
     """Changing budgets on one model gives the same answers as fresh models (no thread/state pitfalls)."""
-    from remat_plugin.solve.ilp import _BlockIlp
+    from remat_plugin.planning.solvers.ilp import _BlockIlp
 
     p = diamond()
     hi = simulate(p, Schedule.keep_all(p)).peak_bytes

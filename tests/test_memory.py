@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from remat_plugin.memory import PeakMeter, measure_peak, measure_peak_profiler
+from remat_plugin.capture.memory_meter import PeakMeter, measure_peak, measure_peak_profiler
 
 MiB = 1 << 20
 

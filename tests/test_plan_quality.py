@@ -24,28 +24,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from remat_plugin.api import capture_problem
 from remat_plugin.errors import InfeasibleBudgetError
-from remat_plugin.plan import make_plan
+from remat_plugin.ir.plan import make_plan
+from remat_plugin.runtime.module import capture_problem
 
 try:  # make_plan keeps a safety margin back from the budget: compare at equal usable budgets
-    from remat_plugin.plan import budget_for_peak, safety_margin
+    from remat_plugin.ir.plan import budget_for_peak, safety_margin
 except ImportError:  # no margin
     def budget_for_peak(peak_bytes: int) -> int:
         return peak_bytes
 
     def safety_margin(budget_bytes: int) -> int:
         return 0
-from remat_plugin.problem import Problem, Schedule
-from remat_plugin.simulate import Simulation, simulate
-from remat_plugin.solve.baselines import (
+from remat_plugin.ir.problem import Problem, Schedule
+from remat_plugin.ir.simulate import Simulation, simulate
+from remat_plugin.planning.baselines import (
     checkmate_min_peak,
     checkmate_solve,
     rotor_planner,
     rotor_schedule,
     sqrt_n_schedule,
 )
-from remat_plugin.solve.ilp import _BlockIlp
+from remat_plugin.planning.solvers.ilp import _BlockIlp
 
 N_BUDGETS = 8
 PLAN_ILP_TIME_LIMIT_S = 5.0  # block ILPs solved to optimality even on a loaded machine: reproducible plans

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from remat_plugin.bench.models import mlp_chain
-from remat_plugin.buckets import bucketed_inputs, covers, describe, key_of, round_length, signature
-from remat_plugin.config import ConfigError, RematConfig
 from remat_plugin.errors import BudgetFormatError, InfeasibleBudgetError
-from remat_plugin.optimizer_state import pending_state_bytes
-from remat_plugin.session import RematSession
+from remat_plugin.runtime.config import ConfigError, RematConfig
+from remat_plugin.runtime.optimizer_state import pending_state_bytes
+from remat_plugin.runtime.session import RematSession
+from remat_plugin.runtime.signature import bucketed_inputs, covers, describe, key_of, round_length, signature
 
 
 def _session(bench, budget=10**12, **config):
@@ -76,7 +76,7 @@ def test_smaller_batch_replays_and_gradients_match():
 
 
 def _peak(fn):
-    from remat_plugin.memory import measure_peak
+    from remat_plugin.capture.memory_meter import measure_peak
 
     return measure_peak(fn)[1]
 

@@ -11,7 +11,7 @@ For each model, in one process (issue 7):
    (``matched_to``): a frontier comparison is at equal measured peak, and our plan is the only
    strategy that takes a budget, so we go to the peers' peaks rather than guess theirs.
 4. Memory timelines of one step: ``none`` and ours at one budget measured op by op, and the
-   simulator's (``remat_plugin.simulate``) prediction for ours and for the keep-all schedule of the
+   simulator's (``remat_plugin.ir.simulate``) prediction for ours and for the keep-all schedule of the
    same captured program (what ours would run with no recomputation; it frees each value after its
    last use, so it lies a little below eager ``none``).
 
@@ -45,13 +45,13 @@ from typing import Any
 
 import torch
 
-from remat_plugin.api import RematModule
 from remat_plugin.bench.models import BenchModel, build
 from remat_plugin.bench.peers import compiled_memory_budget, drop_cheap, none, per_layer_checkpoint, sqrt_n
 from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, _time_ratios, plan_timed
-from remat_plugin.memory import PeakMeter, _StorageTracker, measure_peak_profiler
-from remat_plugin.problem import Schedule
-from remat_plugin.simulate import simulate
+from remat_plugin.capture.memory_meter import PeakMeter, _StorageTracker, measure_peak_profiler
+from remat_plugin.ir.problem import Schedule
+from remat_plugin.ir.simulate import simulate
+from remat_plugin.runtime.module import RematModule
 
 __all__ = ["COMPARE_SCHEMA_VERSION", "POINT_FIELDS", "CompareSettings", "compare_model", "run_compare"]
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from remat_plugin.bench.models import BenchModel
-from remat_plugin.solve.baselines import sqrt_n_segments
+from remat_plugin.planning.baselines import sqrt_n_segments
 
 __all__ = [
     "EXPENSIVE_OPS", "PEERS", "Step", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",

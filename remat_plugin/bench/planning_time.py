@@ -39,7 +39,7 @@ def cold_plan(n_layer: int, budget_bytes: int) -> dict:
 
 
 def dp_time_ms(n_blocks: int, n_options: int = 10, n_slots: int = 500, repeats: int = 3) -> float:
-    from remat_plugin.solve.chain import ChainBlock, ChainOption, solve_chain
+    from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, solve_chain
 
     rng = np.random.default_rng(0)
     blocks = []

@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 
-from remat_plugin.api import RematModule, rematerialize
 from remat_plugin.bench.models import BenchModel, build
 from remat_plugin.bench.peers import Step, none, per_layer_checkpoint, sqrt_n
+from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import InfeasibleBudgetError, RematError
-from remat_plugin.memory import PeakMeter
+from remat_plugin.runtime.module import RematModule, rematerialize
 
 __all__ = ["PEER_STRATEGIES", "BenchRow", "run_bench", "run_model"]
 

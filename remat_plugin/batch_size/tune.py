@@ -1,0 +1,97 @@
+"""Auto batch size inside a training run: probe the first call, choose, verify with one real step, agree across ranks.
+
+The adapters call :func:`tune_batch_size` with the target module's arguments for the first
+batch (recorded by :meth:`RematSession.record_call`, nothing run).  Rank 0 searches
+(:func:`~remat_plugin.batch_size.search.choose_batch_size`); every rank then runs the verification
+step at the chosen size through the session (which plans it, so the first training step
+reuses that plan), the largest peak of all ranks decides, and an over-budget step backs off
+one notch.  All ranks end with the same batch size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from remat_plugin.batch_size.search import BatchSizeChoice, batch_dim_size, choose_batch_size, scale_inputs
+from remat_plugin.capture.memory_meter import PeakMeter
+from remat_plugin.errors import human_bytes
+from remat_plugin.runtime.session import RematSession
+from remat_plugin.runtime.side_effects import unobserved
+from remat_plugin.runtime.steps import device_of
+
+log = logging.getLogger(__name__)
+
+
+def _scalar(out: Any) -> torch.Tensor:
+    """What to call backward on: a loss if the module returns one, else the sum of its float outputs."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    leaves = [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()
+              and x.requires_grad]
+    if not leaves:
+        raise ValueError("remat_plugin.auto_batch: the module's output has no tensor to run backward from")
+    return sum(x.sum() for x in leaves)  # type: ignore[return-value]
+
+
+def measure_step(session: RematSession, args: tuple, kwargs: dict) -> int:
+    """Peak of one forward+backward of the session's module on these inputs (planned first if new).
+
+    Buffers, the RNG stream and parameter gradients are left as they were.
+    """
+    module = session.module
+    device = device_of(args, kwargs, module)
+    grads = {p: p.grad for p in module.parameters()}
+    for p in grads:
+        p.grad = None
+    with unobserved(module, device), PeakMeter(device if device.type == "cuda" else "cpu") as meter:
+        _scalar(module(*args, **kwargs)).backward()
+    for p, g in grads.items():
+        p.grad = g
+    return meter.peak_bytes
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def tune_batch_size(session: RematSession, args: tuple, kwargs: dict, *, objective: str = "max",
+                    multiple_of: int = 1, max_val: int | None = None) -> BatchSizeChoice:
+    """The batch size for the session's budget, verified by one real step per rank; the same on every rank."""
+    rank, world = _world()
+    budget = session.training_budget(args, kwargs)
+    if world > 1:  # every rank must decide alike: the smallest budget of all ranks
+        budgets: list[Any] = [None] * world
+        dist.all_gather_object(budgets, budget)
+        budget = min(budgets)
+    b1 = batch_dim_size(args, kwargs)
+    payload: list[Any] = [None]
+    if rank == 0:
+        with session.bypassed():  # the search captures the module itself
+            payload[0] = choose_batch_size(session.module, args, kwargs, budget, objective=objective,
+                                           multiple_of=multiple_of, max_val=max_val,
+                                           ilp_time_limit_s=session.config.ilp_time_limit_s)
+    if world > 1:
+        dist.broadcast_object_list(payload, src=0)
+    choice: BatchSizeChoice = payload[0]
+    size, trials, peak = choice.batch_size, 0, 0
+    while trials < 3:
+        peak = measure_step(session, *scale_inputs(args, kwargs, b1, size))
+        if world > 1:
+            peaks: list[Any] = [None] * world
+            dist.all_gather_object(peaks, peak)
+            peak = max(peaks)
+        trials += 1
+        if peak <= budget or size <= multiple_of:
+            break
+        log.warning("remat_plugin: batch size %d measured %s over the budget %s; backing off to %d", size,
+                    human_bytes(peak), human_bytes(budget), size - multiple_of)
+        size -= multiple_of
+    return dataclasses.replace(choice, batch_size=size, trial_steps=trials, measured_peak_bytes=peak)

@@ -1,0 +1,131 @@
+"""Capture a module for one input signature and build its planned forward+backward.
+
+Capture goes through ``torch.export`` (training IR, ``strict=False``), whose module
+shares the original ``Parameter`` objects; AOTAutograd then traces the joint
+forward+backward of that module and hands it to our partitioner, which plans and
+emits the programs (see :mod:`remat_plugin.capture.programs`).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._functorch.aot_autograd import aot_function
+
+from remat_plugin.capture.joint import JointGraph
+from remat_plugin.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+
+def input_signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a plan depends on: shapes, dtypes, devices, which kwargs, non-tensor values, train and grad mode."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    desc = tuple(
+        (tuple(x.shape), x.dtype, str(x.device), x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
+        for x in leaves
+    )
+    return (str(spec), desc, module.training, torch.is_grad_enabled())
+
+
+def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``torch.export`` with a :class:`CaptureError` that names the failing op or line."""
+    try:
+        return torch.export.export(module, args, kwargs, strict=False)
+    except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = ""
+        tb = exc.__traceback__
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename]
+        if user:
+            f = user[-1]
+            where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+        raise CaptureError(
+            f"remat_plugin.capture: torch.export could not capture {type(module).__name__}{where}: "
+            f"{type(exc).__name__}: {first}"
+        ) from exc
+
+
+@dataclass
+class CompiledStep:
+    """One input signature's planned function; call it with the user's args/kwargs."""
+
+    fn: Callable
+    params: list[torch.Tensor]
+    tensor_positions: list[int]
+    out_spec: Any = None
+    out_constants: dict[int, Any] = field(default_factory=dict)
+    out_tensor_positions: list[int] = field(default_factory=list)
+
+    def __call__(self, args: tuple, kwargs: dict):
+        leaves, _ = pytree.tree_flatten((args, kwargs))
+        flat_out = self.fn(*self.params, *(leaves[i] for i in self.tensor_positions))
+        n = len(self.out_tensor_positions) + len(self.out_constants)
+        out_leaves: list[Any] = [None] * n
+        for pos, t in zip(self.out_tensor_positions, flat_out):
+            out_leaves[pos] = t
+        for pos, c in self.out_constants.items():
+            out_leaves[pos] = c
+        return pytree.tree_unflatten(out_leaves, self.out_spec)
+
+
+def build_step(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    partition: Callable[[JointGraph], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
+    device: torch.device,
+) -> CompiledStep:
+    """Export ``module`` and wrap it so its first call traces the joint graph and calls ``partition``."""
+    ep = export_module(module, args, kwargs)
+    gm = ep.module()
+    named: dict[str, torch.Tensor] = dict(module.named_parameters())
+    named.update(dict(module.named_buffers()))
+    names = list(named)
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions)  # type: ignore[arg-type]
+
+    def flat_fn(*flat):
+        state = dict(zip(names, flat[: len(names)]))
+        call_leaves = list(leaves)
+        for pos, t in zip(tensor_positions, flat[len(names) :]):
+            call_leaves[pos] = t
+        call_args, call_kwargs = pytree.tree_unflatten(call_leaves, in_spec)
+        out = torch.func.functional_call(gm, state, call_args, call_kwargs, strict=False)
+        out_leaves, step.out_spec = pytree.tree_flatten(out)
+        step.out_tensor_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        step.out_constants = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, torch.Tensor)}
+        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+    n_params = len(dict(module.named_parameters()))
+
+    def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
+        joint = JointGraph(joint_gm, num_fwd_outputs, device.type)
+        primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
+        return partition(joint)
+
+    def boxed(gm_, _example):
+        # Boxed calling convention: the program receives the argument list and clears it,
+        # so each saved tensor dies after its last use instead of at the end of backward.
+        gm_.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        gm_.recompile()
+
+        def run(args: list):
+            return gm_(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition_fn)
+    return step

@@ -1,0 +1,193 @@
+"""Read an AOTAutograd joint forward+backward graph as a planning :class:`Problem`.
+
+Each op of the problem is one call of the joint graph that allocates storage.  Views
+(``view``, ``t``, ``expand``, ``_unsafe_view`` …) and ``getitem`` are folded away:
+a reader of a view reads the view's base value, and the executor re-derives the view
+(free) wherever it is needed.  Placeholders (parameters, inputs, tangents) are outside
+the problem: always alive, costing nothing, except tangents, which a synthetic first
+backward op "makes" so their bytes count from the start of the backward.
+
+NOTE [random ops]
+    A random op gets a synthetic forward op ``<name>__rng`` just before it, which
+    captures the generator state (unrecomputable, a few KiB).  Recomputing the
+    random op reads that state and replays the very same random numbers.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+from torch import fx
+
+from remat_plugin.ir.problem import Op, Problem, Value
+
+TANGENTS_OP = "__tangents__"
+RNG_SUFFIX = "__rng"
+RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}
+
+_ALIAS_OPS = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+}
+
+
+def _is_view_target(target) -> bool:
+    if target in _ALIAS_OPS:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        rets = target._schema.returns
+        return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+    return False
+
+
+def _is_random(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _tensor_bytes(val) -> int:
+    if not isinstance(val, torch.Tensor):
+        return 0
+    try:
+        return int(val.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # tensors without storage: dense size
+        return int(val.numel() * val.element_size())
+
+
+def _node_args(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+@dataclass
+class JointGraph:
+    """The joint graph plus what the planner needs to know about each node."""
+
+    gm: fx.GraphModule
+    num_fwd_outputs: int
+    device_type: str
+    ops: list[fx.Node] = field(default_factory=list)  # storage-making calls, fwd first then bwd
+    is_fwd: dict[str, bool] = field(default_factory=dict)
+    root: dict[str, str | None] = field(default_factory=dict)  # node name -> value name holding its storage
+    values_of: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    unread_output_bytes: dict[str, int] = field(default_factory=dict)
+    random_ops: set[str] = field(default_factory=set)
+    constants: set[str] = field(default_factory=set)  # ops depending on no placeholder (masks, aranges)
+    live_out: set[str] = field(default_factory=set)
+    tangents: list[fx.Node] = field(default_factory=list)
+    buffer_primals: set[str] = field(default_factory=set)  # placeholders that are module buffers
+
+    def node(self, name: str) -> fx.Node:
+        return self._by_name[name]
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.gm.graph.nodes}
+        self._analyse()
+
+    def _analyse(self) -> None:
+        graph = self.gm.graph
+        depends_on_input: set[str] = set()
+        fwd: list[fx.Node] = []
+        bwd: list[fx.Node] = []
+        for n in graph.nodes:
+            if n.op == "placeholder":
+                self.root[n.name] = None
+                depends_on_input.add(n.name)
+                if n.name.startswith("tangents"):
+                    self.tangents.append(n)
+                continue
+            if n.op != "call_function":
+                continue
+            args = _node_args(n)
+            if any(a.name in depends_on_input for a in args):
+                depends_on_input.add(n.name)
+            if n.target is operator.getitem:
+                src = args[0]
+                if src.name in self.values_of or src.op != "call_function" or not _is_view_target(src.target):
+                    self.root[n.name] = n.name  # one output of a multi-output op
+                else:
+                    self.root[n.name] = self.root.get(_node_args(src)[0].name)
+                continue
+            if _is_view_target(n.target):
+                tensor_args = [a for a in args if isinstance(a.meta.get("val"), torch.Tensor)]
+                self.root[n.name] = self.root.get(tensor_args[0].name) if tensor_args else None
+                continue
+            val = n.meta.get("val")
+            if val is None:
+                continue  # asserts and other calls without an output: not executed by plans
+            self._add_op(n, val)
+            (fwd if n.meta.get("partitioner_tag") == "is_forward" else bwd).append(n)
+            if n.name not in depends_on_input:
+                self.constants.add(n.name)
+        self.ops = fwd + bwd
+        for n in fwd:
+            self.is_fwd[n.name] = True
+        for n in bwd:
+            self.is_fwd[n.name] = False
+        out = next(n for n in graph.nodes if n.op == "output")
+        for a in _node_args(out):
+            r = self.root.get(a.name)
+            if r is not None:
+                self.live_out.add(r)
+
+    def _add_op(self, n: fx.Node, val) -> None:
+        if isinstance(val, torch.Tensor):
+            self.root[n.name] = n.name
+            self.values_of[n.name] = (n.name,)
+            self.unread_output_bytes[n.name] = 0
+        else:
+            getitems = {cast(int, u.args[1]): u for u in n.users if u.target is operator.getitem}
+            self.values_of[n.name] = tuple(
+                getitems[i].name for i in sorted(getitems) if isinstance(getitems[i].meta.get("val"), torch.Tensor)
+            )
+            self.unread_output_bytes[n.name] = sum(
+                _tensor_bytes(v) for i, v in enumerate(val) if i not in getitems
+            )
+            self.root[n.name] = None
+        if _is_random(n):
+            self.random_ops.add(n.name)
+
+    def reads(self, n: fx.Node) -> tuple[str, ...]:
+        """Internal values an op reads (views resolved to their base), in first-read order."""
+        out: list[str] = []
+        for a in _node_args(n):
+            r = self.root.get(a.name)
+            if r is not None and r not in out:
+                out.append(r)
+        return tuple(out)
+
+    def value_bytes(self, name: str) -> int:
+        return self._device_bytes(_tensor_bytes(self.node(name).meta.get("val")))
+
+    def _device_bytes(self, nbytes: int) -> int:
+        """What the allocator really hands out: the CUDA caching allocator rounds to 512 bytes."""
+        return -(-nbytes // 512) * 512 if self.device_type == "cuda" else nbytes
+
+    def to_problem(self, time_ms: dict[str, float], temp_bytes: dict[str, int]) -> Problem:
+        """The planning problem with the given per-op costs (ops missing from the dicts cost nothing)."""
+        ops: list[Op] = []
+        values: list[Value] = []
+        tangent_names = {t.name for t in self.tangents}
+        for n in self.ops:
+            if not self.is_fwd[n.name] and self.tangents and not any(o.name == TANGENTS_OP for o in ops):
+                ops.append(Op(TANGENTS_OP, False, (), tuple(t.name for t in self.tangents), 0.0))
+                values.extend(
+                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
+                    for t in self.tangents
+                )
+            reads = list(self.reads(n))
+            reads += [a.name for a in _node_args(n) if a.name in tangent_names and a.name not in reads]
+            if n.name in self.random_ops:
+                rng = n.name + RNG_SUFFIX
+                ops.append(Op(rng, True, (), (rng,), 0.0, 0, recomputable=False))
+                values.append(Value(rng, RNG_STATE_BYTES.get(self.device_type, 16), rng))
+                reads.append(rng)
+            outs = self.values_of[n.name]
+            temp = temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name]
+            ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp))
+            values.extend(Value(v, self.value_bytes(v), n.name) for v in outs)
+        return Problem(tuple(ops), tuple(values), frozenset(self.live_out))

@@ -1,0 +1,205 @@
+"""Executor: turn a schedule into the forward and backward fx programs AOTAutograd runs.
+
+The forward program computes every forward op once, in order, and returns the model
+outputs plus the kept values.  The backward program follows ``Schedule.bwd_sequence``
+op by op; fx code generation frees each value right after its last use, so the
+program's memory follows the simulator's timeline (NOTE [schedule model]).  Both run
+inside AOTAutograd's single ``autograd.Function``: parameters stay the caller's own
+tensors, and gradient hooks (DDP) fire as usual.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+from torch._functorch._aot_autograd.descriptors import (
+    SavedForBackwardsAOTOutput,
+    SavedForBackwardsNoVcCheckAOTOutput,
+)
+from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
+from torch._functorch.partitioners import _extract_fwd_bwd_outputs, _extract_graph_with_inputs_outputs
+
+from remat_plugin.capture.joint import RNG_SUFFIX, TANGENTS_OP, JointGraph, _is_view_target
+from remat_plugin.ir.problem import Schedule
+
+
+def capture_rng_state(device_type: str) -> torch.Tensor:
+    """The generator state a random op is about to consume (saved for its replay)."""
+    if device_type == "cuda":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def replay_random(state: torch.Tensor, device_type: str, target, *args, **kwargs):
+    """Run a random op again with the generator state of its first run, then restore the stream."""
+    get = torch.cuda.get_rng_state if device_type == "cuda" else torch.get_rng_state
+    put = torch.cuda.set_rng_state if device_type == "cuda" else torch.set_rng_state
+    current = get()
+    put(state)
+    try:
+        return target(*args, **kwargs)
+    finally:
+        put(current)
+
+
+def run_random(state: torch.Tensor, target, *args, **kwargs):
+    """First run of a random op: ``state`` is only carried so the backward can replay it."""
+    return target(*args, **kwargs)
+
+
+def _insert_rng_captures(joint: JointGraph, names: set[str]) -> dict[str, fx.Node]:
+    """Capture the generator state before each random op the schedule recomputes.
+
+    The op is rewritten to take the capture as an argument, so the graph itself says
+    the backward needs it (and the partitioner keeps it).
+    """
+    graph = joint.gm.graph
+    made = {}
+    for op_name in sorted(names):
+        node = joint.node(op_name)
+        with graph.inserting_before(node):
+            cap = graph.call_function(capture_rng_state, (joint.device_type,))
+        cap.meta["val"] = capture_rng_state(joint.device_type)
+        cap.meta["partitioner_tag"] = "is_forward"
+        node.args = (cap, node.target, *node.args)  # type: ignore[arg-type]  # fx passes callables through
+        node.target = run_random
+        made[op_name + RNG_SUFFIX] = cap
+    return made
+
+
+def _graph_ops(schedule: Schedule) -> list[str]:
+    """The backward sequence without the planner's synthetic ops (tangents, rng captures): joint-graph nodes only."""
+    return [n for n in schedule.bwd_sequence if n != TANGENTS_OP and not n.endswith(RNG_SUFFIX)]
+
+
+def kept_values(joint: JointGraph, schedule: Schedule) -> list[str]:
+    """Values (and placeholders) the backward program reads before recomputing them: what forward saves."""
+    made: set[str] = set()
+    kept: list[str] = []
+    for name in _graph_ops(schedule):
+        node = joint.node(name)
+        reads = list(joint.reads(node)) + _placeholder_reads(joint, node)
+        if name in joint.random_ops:
+            reads.append(name + RNG_SUFFIX)
+        for v in reads:
+            if v not in made and v not in kept and not v.startswith("tangents"):
+                kept.append(v)
+        made.update(joint.values_of[name])
+    return kept
+
+
+def _placeholder_reads(joint: JointGraph, node: fx.Node) -> list[str]:
+    """Placeholders a node reads, directly or through views."""
+    found: list[str] = []
+
+    def visit(a: fx.Node) -> None:
+        if a.op == "placeholder":
+            if a.name not in found:
+                found.append(a.name)
+        elif (
+            a.op == "call_function"
+            and (a.target is operator.getitem or _is_view_target(a.target))
+            and joint.root.get(a.name) is None
+        ):
+            fx.node.map_arg((a.args, a.kwargs), visit)
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
+    return found
+
+
+def partition(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward graph modules realising ``schedule`` on ``joint``."""
+    kept = kept_values(joint, schedule)
+    rng_needed = {k.removesuffix(RNG_SUFFIX) for k in kept if k.endswith(RNG_SUFFIX)}
+    captures = _insert_rng_captures(joint, rng_needed)
+    saved = [captures.get(k) or joint.node(k) for k in kept]
+    for node in saved:
+        if node.name in joint.buffer_primals:
+            # NOTE: buffers (BatchNorm running stats) are updated in place right after the
+            # forward, as in eager; backward ops that receive them (batch_norm_backward in
+            # training mode) do not read their values, so the version check would only
+            # reject a correct step.
+            node.meta["saved_tensor_with_no_vc_check"] = True
+    fw, bw = _extract_modules(joint, saved)
+    return fw, _rebuild_backward(joint, schedule, bw, captures)
+
+
+def _extract_modules(joint: JointGraph, saved: list[fx.Node]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward module (outputs + ``saved``) and a backward template whose placeholders are ``saved`` + tangents.
+
+    Like AOTAutograd's ``_extract_fwd_bwd_modules`` but without its pruning of saved values
+    its own recompute-on-demand backward would not read: our schedule may read them.
+    Saved tensors without a version check go last, as AOTAutograd's runtime expects.
+    """
+    saved = [n for n in saved if not n.meta.get("saved_tensor_with_no_vc_check")] + [
+        n for n in saved if n.meta.get("saved_tensor_with_no_vc_check")
+    ]
+    first_no_vc = sum(not n.meta.get("saved_tensor_with_no_vc_check") for n in saved)
+    fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = _extract_fwd_bwd_outputs(
+        joint.gm, num_fwd_outputs=joint.num_fwd_outputs
+    )
+    placeholders = joint.gm.graph.find_nodes(op="placeholder")
+    primals = [p for p in placeholders if _is_primal(p)]
+    tangents = [p for p in placeholders if _is_tangent(p)]
+    saved_descs = [
+        SavedForBackwardsNoVcCheckAOTOutput(i) if i >= first_no_vc else SavedForBackwardsAOTOutput(i)
+        for i in range(len(saved))
+    ]
+    fwd_graph = _extract_graph_with_inputs_outputs(
+        joint.gm.graph, primals, fwd_outputs + saved, [*fwd_descs, *saved_descs], "forward"
+    )
+    bwd_graph = _extract_graph_with_inputs_outputs(joint.gm.graph, saved + tangents, bwd_outputs, bwd_descs, "backward")
+    make = fx._lazy_graph_module._make_graph_module
+    return make(joint.gm, fwd_graph), make(joint.gm, bwd_graph)
+
+
+def _rebuild_backward(
+    joint: JointGraph, schedule: Schedule, template: fx.GraphModule, captures: dict[str, fx.Node]
+) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}  # joint value name -> its newest copy in the new graph
+    capture_of = {cap.name: key for key, cap in captures.items()}
+    for ph in template.graph.find_nodes(op="placeholder"):
+        new = graph.placeholder(ph.name)
+        new.meta = dict(ph.meta)
+        env[capture_of.get(ph.name, ph.name)] = new
+    view_cache: dict[tuple[str, int], fx.Node] = {}
+
+    def resolve(a: fx.Node) -> fx.Node:
+        root = joint.root.get(a.name)
+        if a.op == "placeholder" or root == a.name:
+            if a.name not in env:
+                raise AssertionError(f"schedule reads {a.name!r} before any copy of it exists")
+            return env[a.name]
+        # a view (or a getitem of a view op): re-derive it from the newest copy of its base
+        key = (a.name, id(env.get(root)) if root is not None else -1)
+        if key not in view_cache:
+            view_cache[key] = graph.node_copy(a, resolve)
+        return view_cache[key]
+
+    for name in _graph_ops(schedule):
+        node = joint.node(name)
+        if name in joint.random_ops and joint.is_fwd[name]:
+            _cap, target, *rest = node.args
+            args, kwargs = fx.node.map_arg((tuple(rest), node.kwargs), resolve)
+            new = graph.call_function(replay_random, (env[name + RNG_SUFFIX], joint.device_type, target, *args), kwargs)
+            new.meta = dict(node.meta)
+        else:
+            new = graph.node_copy(node, resolve)
+        if joint.values_of[name] == (name,):
+            env[name] = new
+        else:
+            for user in node.users:
+                if user.target is operator.getitem and user.name in joint.values_of[name]:
+                    g = graph.call_function(operator.getitem, (new, user.args[1]))
+                    g.meta = dict(user.meta)
+                    env[user.name] = g
+    out = template.graph.find_nodes(op="output")[0]
+    joint_out = next(n for n in joint.gm.graph.nodes if n.op == "output")
+    grads = list(joint_out.args[0])[joint.num_fwd_outputs:]
+    graph.output(tuple(resolve(g) if isinstance(g, fx.Node) else g for g in grads))
+    graph.find_nodes(op="output")[0].meta = dict(out.meta)
+    gm = fx.GraphModule(joint.gm, graph)
+    gm.graph.lint()
+    return gm

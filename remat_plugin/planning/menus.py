@@ -1,0 +1,140 @@
+"""The planner's per-problem state: blocks, their ILP menus, chain blocks, and chain → schedule assembly.
+
+Blocks and menus depend on the problem, not on the budget, so one :class:`Planner` serves
+every budget tried for a problem.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from remat_plugin.ir.problem import Problem, Schedule
+from remat_plugin.ir.simulate import Simulation, simulate
+from remat_plugin.planning.blocks import Block, forward_only_peak, make_blocks, rename_schedule
+from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
+from remat_plugin.planning.solvers.ilp import BlockOption, block_menu
+
+
+def _moved(option: BlockOption, source: Block, target: Block) -> BlockOption:
+    """``option`` of ``source`` as an option of the identical block ``target`` (same costs, its op names)."""
+    return replace(option, schedule=rename_schedule(option.schedule, source.problem, target.problem))
+
+
+def _menu_grid(n_ops: int) -> int:
+    """Budget grid points per axis: small blocks solve fast, so they get finer menus."""
+    return 5 if n_ops <= 40 else 4 if n_ops <= 80 else 3
+
+
+@dataclass
+class Planner:
+    """Holds the per-problem work (blocks, menus) so several budgets can be tried cheaply."""
+
+    problem: Problem
+    constants: set[str]
+    ilp_time_limit_s: float = 0.5
+    n_slots: int = 500
+    blocks: list[Block] = field(default_factory=list)
+    menus: list[tuple[BlockOption, ...]] = field(default_factory=list)
+    chain: list[ChainBlock] = field(default_factory=list)
+    n_unique: int = 0
+
+    def prepare(self, progress=None) -> None:
+        self.blocks = make_blocks(self.problem, self.constants)
+        first_of: dict[tuple, Block] = {}
+        for b in self.blocks:
+            first_of.setdefault(b.key, b)
+        self.n_unique = len(first_of)
+
+        def menu_of(b: Block) -> tuple[BlockOption, ...]:
+            grid = _menu_grid(len(b.problem.ops))
+            return block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s)
+
+        # HiGHS releases the GIL while it solves: unique blocks' menus are solved side by side.
+        solved: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] = {}
+        workers = max(1, min(len(first_of), os.cpu_count() or 1, 4))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {key: pool.submit(menu_of, b) for key, b in first_of.items()}
+            for done, (key, fut) in enumerate(futures.items(), 1):
+                solved[key] = (first_of[key], fut.result())
+                if progress is not None:
+                    progress(done, len(first_of))
+        for b in self.blocks:
+            src, menu = solved[b.key]
+            self.menus.append(menu if src is b else tuple(_moved(o, src, b) for o in menu))
+        self.chain = [self._chain_block(b, m) for b, m in zip(self.blocks, self.menus)]
+
+    def _chain_block(self, b: Block, menu: tuple[BlockOption, ...]) -> ChainBlock:
+        size = (lambda v: self.problem.value(v).size_bytes if v else 0)
+        fwd_ms = sum(self.problem.op(n).time_ms for n in b.fwd_ops)
+        param_grads = sum(
+            self.problem.value(v).size_bytes for n in b.bwd_ops for v in self.problem.op(n).outputs
+            if v in self.problem.live_out
+        )
+        return ChainBlock(
+            input_bytes=size(b.input_value),
+            output_bytes=size(b.output_value),
+            grad_input_bytes=size(b.input_value),
+            param_grad_bytes=param_grads,
+            none_fwd_ms=fwd_ms,
+            none_fwd_peak_bytes=forward_only_peak(b.problem, b.output_value),
+            options=tuple(
+                ChainOption(o.kept_bytes, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - o.kept_bytes), o.fwd_ms, o.bwd_ms)
+                for o in menu
+            ),
+        )
+
+    def assemble(self, chain_plan: ChainPlan) -> Schedule:
+        """The whole-graph backward sequence realising a chain plan (the first forward pass is implicit)."""
+        actions = list(chain_plan.actions)
+        first_bwd = next(i for i, a in enumerate(actions) if a.kind == "bwd")
+        seq: list[str] = []
+        for a in actions[first_bwd:]:
+            b = self.blocks[a.block]
+            if a.kind == "bwd":
+                seq.extend(self.menus[a.block][a.option].schedule.bwd_sequence)
+            else:
+                wanted = {b.output_value} if b.output_value else set()
+                if a.kind == "fwd":
+                    wanted |= kept_reads(b.problem, self.menus[a.block][a.option].schedule)
+                seq.extend(_ancestors_in_order(b.problem, wanted))
+        return Schedule(tuple(seq))
+
+    def add_option(self, block: Block, option: BlockOption) -> None:
+        """Give ``block`` and every block identical to it one more menu option."""
+        for b in self.blocks:
+            if b.key == block.key:
+                self.menus[b.index] = (*self.menus[b.index], _moved(option, block, b))
+                self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+
+    def try_budget(self, dp_budget: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
+        cp = solve_chain(self.chain, dp_budget, self.n_slots)
+        if cp is None:
+            return None
+        sched = self.assemble(cp)
+        return sched, simulate(self.problem, sched), cp
+
+    def min_dp_budget(self) -> int:
+        return min_feasible_budget(self.chain, self.n_slots)
+
+
+def kept_reads(problem: Problem, schedule: Schedule) -> set[str]:
+    made: set[str] = set()
+    kept: set[str] = set()
+    for name in schedule.bwd_sequence:
+        op = problem.op(name)
+        kept.update(v for v in op.inputs if v not in made)
+        made.update(op.outputs)
+    fwd_made = {v for o in problem.fwd_ops for v in o.outputs}
+    return kept & fwd_made
+
+
+def _ancestors_in_order(problem: Problem, wanted: set[str]) -> list[str]:
+    """Forward ops (recomputable, in order) needed to make ``wanted`` from the block's inputs."""
+    need = set(wanted)
+    chosen: list[str] = []
+    for op in reversed(problem.fwd_ops):
+        if need & set(op.outputs) and op.recomputable:
+            chosen.append(op.name)
+            need.update(op.inputs)
+    return list(reversed(chosen))

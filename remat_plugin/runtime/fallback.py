@@ -1,0 +1,85 @@
+"""Module-level fallback for models torch.export cannot capture.
+
+When the whole model has no graph (data-dependent control flow, an unsupported op), we
+still know its structure: the largest list of repeated layers (a ``ModuleList`` or
+``Sequential`` of one class) is the chain.  Each layer then runs under non-reentrant
+``torch.utils.checkpoint``, which keeps only layer inputs and recomputes the rest in
+backward (random ops replay their generator state).  Buffers a layer updates in its
+forward (BatchNorm running statistics) are restored after the recomputation, so they
+change exactly once per step.  Without a graph there is no memory model: the plan says
+so, and the budget is not verified.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from remat_plugin.ir.plan import BlockChoice, Plan
+from remat_plugin.runtime.side_effects import restored_buffers
+
+log = logging.getLogger(__name__)
+
+
+def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The repeated layers holding the most parameters: ``(qualified name, layers)``, or None."""
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for name, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
+            continue
+        layers = list(child)
+        if len({type(m) for m in layers}) != 1:
+            continue
+        n_params = sum(p.numel() for m in layers for p in m.parameters())
+        if best is None or n_params > best[0]:
+            best = (n_params, name, layers)
+    return None if best is None else (best[1], best[2])
+
+
+def _checkpointed_forward(layer: nn.Module, forward):
+    def run(*args, **kwargs):
+        if torch._C._current_graph_task_id() == -1:  # the forward pass: buffers update as usual
+            return forward(*args, **kwargs)
+        with restored_buffers(layer):  # a recomputation inside backward must not update buffers again
+            return forward(*args, **kwargs)
+
+    def checkpointed(*args, **kwargs):
+        if not (torch.is_grad_enabled() and layer.training):
+            return forward(*args, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed
+
+
+@contextlib.contextmanager
+def checkpointed_layers(layers: list[nn.Module]):
+    """Run ``layers`` checkpointed inside the block; their ``forward`` is restored on exit."""
+    originals = [(layer.forward, layer.__dict__.get("forward")) for layer in layers]
+    try:
+        for layer, (forward, _) in zip(layers, originals):
+            layer.forward = _checkpointed_forward(layer, forward)
+        yield
+    finally:
+        for layer, (_, own) in zip(layers, originals):
+            if own is None:
+                del layer.forward  # back to the class's forward
+            else:
+                layer.forward = own
+
+
+def fallback_plan(reason: str, chain_name: str, layers: list[nn.Module], budget_bytes: int, signature: str) -> Plan:
+    """A plan that records the fallback; memory figures are unknown (-1) without a graph."""
+    log.warning(
+        "remat_plugin: %s; falling back to checkpointing each of the %d layers of %r. "
+        "Without a graph the budget of %d bytes cannot be verified.", reason, len(layers), chain_name, budget_bytes,
+    )
+    return Plan(
+        budget_bytes=budget_bytes, margin_bytes=0, predicted_peak_bytes=-1, predicted_time_ms=-1.0,
+        baseline_peak_bytes=-1, baseline_time_ms=-1.0, min_feasible_bytes=-1,
+        blocks=tuple(BlockChoice(i, 0, "checkpoint", -1, -1.0) for i in range(len(layers))),
+        n_unique_blocks=1, signature=signature,
+        fallback=f"{reason}; per-layer checkpointing of {chain_name!r} ({len(layers)} layers)",
+    )

@@ -57,7 +57,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from remat_plugin.batch_size.search import OBJECTIVES, BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import RematError
-from remat_plugin.integrations._forward_swap import settle_checkpointing
+from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.config import ENV_PREFIX, ConfigError, RematConfig
 from remat_plugin.runtime.optimizer_state import unwrap

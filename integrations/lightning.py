@@ -22,9 +22,10 @@ from torch import nn
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import RematError, human_bytes
-from remat_plugin.integrations._forward_swap import ForwardSwap, settle_checkpointing
+from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.config import RematConfig
+from remat_plugin.runtime.forward_swap import ForwardSwap
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import BucketPolicy, describe
 

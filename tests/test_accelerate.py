@@ -24,7 +24,6 @@ from remat_plugin import cli
 from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import BudgetFormatError, RematError
 from remat_plugin.integrations import accelerate as remat_accelerate
-from remat_plugin.integrations._forward_swap import find_double_checkpointing
 from remat_plugin.integrations.accelerate import (
     RematPlugin,
     choose_batch_size,
@@ -32,6 +31,7 @@ from remat_plugin.integrations.accelerate import (
     plans_file,
     rebuild_dataloader,
 )
+from remat_plugin.integrations.checkpointing import find_double_checkpointing
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.config import ConfigError

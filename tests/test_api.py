@@ -119,7 +119,7 @@ def test_eval_and_no_grad_run_original_and_keep_output_type():
     rm = rematerialize(a.module, args, kwargs, budget=10**10)
     out = rm(*args, **kwargs)
     assert type(out).__name__ == "CausalLMOutputWithCrossAttentions"
-    n_plans = len(rm._steps)
+    n_plans = len(rm.steps)
     with torch.no_grad():
         ref = a.module.eval()(**kwargs)
         rm.eval()
@@ -128,7 +128,7 @@ def test_eval_and_no_grad_run_original_and_keep_output_type():
     rm.train()
     with torch.no_grad():
         rm(**{**kwargs, "input_ids": kwargs["input_ids"][:, :16], "labels": kwargs["labels"][:, :16]})
-    assert len(rm._steps) == n_plans, "no-grad calls must not plan"
+    assert len(rm.steps) == n_plans, "no-grad calls must not plan"
 
 
 def test_parameters_and_state_dict_are_the_originals():
@@ -149,7 +149,7 @@ def test_new_shape_replans_and_stays_exact():
     rm = rematerialize(a.module, args, kwargs, budget=10**10)
     short = {k: v[:, :16] for k, v in kwargs.items()}
     _assert_same_step(rm, a, b, (args, short))
-    assert len(rm._steps) == 2
+    assert len(rm.steps) == 2
 
 
 class _DataDependent(nn.Module):

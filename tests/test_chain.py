@@ -129,7 +129,6 @@ def test_huge_budget_runs_fastest_options_once() -> None:
     assert list(plan.actions) == expected
     assert plan.time_ms == pytest.approx(sum(b.options[o].fwd_ms + b.options[o].bwd_ms
                                              for b, o in zip(blocks, fastest)))
-    assert plan.checkpoints == tuple(range(1, 8))
 
 
 def test_edge_cases() -> None:

@@ -214,11 +214,11 @@ def test_recompute_on_demand_refuses_unrecomputable() -> None:
 
 def test_rounded_relaxation_fallback_fits() -> None:
     """The LP-relaxation rounding fallback returns only simulator-checked schedules."""
-    from remat_plugin.planning.solvers.ilp import _BlockIlp
+    from remat_plugin.planning.solvers.ilp import BlockIlp
 
     p = chain(7)
     peak = simulate(p, Schedule.keep_all(p)).peak_bytes - 10
-    ilp = _BlockIlp.build(p)
+    ilp = BlockIlp.build(p)
     ilp.set_budgets(peak, None)
     found = ilp._round_relaxation(peak, None, time_limit_s=5)
     assert found is not None
@@ -227,11 +227,11 @@ def test_rounded_relaxation_fallback_fits() -> None:
 
 def test_repeated_solves_reuse_one_model() -> None:
     """Changing budgets on one model gives the same answers as fresh models (no thread/state pitfalls)."""
-    from remat_plugin.planning.solvers.ilp import _BlockIlp
+    from remat_plugin.planning.solvers.ilp import BlockIlp
 
     p = diamond()
     hi = simulate(p, Schedule.keep_all(p)).peak_bytes
-    ilp = _BlockIlp.build(p)
+    ilp = BlockIlp.build(p)
     for peak in (hi - 4, hi - 12, hi - 4):
         reused = ilp.solve(peak, None, 5.0)
         fresh = solve_schedule(p, peak)

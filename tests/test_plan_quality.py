@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat_plugin.errors import InfeasibleBudgetError
-from remat_plugin.ir.plan import make_plan
+from remat_plugin.planning.choose_plan import make_plan
 from remat_plugin.runtime.module import capture_problem
 
 try:  # make_plan keeps a safety margin back from the budget: compare at equal usable budgets
@@ -45,7 +45,7 @@ from remat_plugin.planning.baselines import (
     rotor_schedule,
     sqrt_n_schedule,
 )
-from remat_plugin.planning.solvers.ilp import _BlockIlp
+from remat_plugin.planning.solvers.ilp import BlockIlp
 
 N_BUDGETS = 8
 PLAN_ILP_TIME_LIMIT_S = 5.0  # block ILPs solved to optimality even on a loaded machine: reproducible plans
@@ -186,7 +186,7 @@ def _study(name: str) -> Study:
     ilp_min, ilp_min_optimal = checkmate_min_peak(problem, ILP_TIME_LIMIT_S, gap_rel=ILP_GAP)
     sqrt_all = simulate(problem, sqrt_n_schedule(problem, constants))
     rotor = rotor_planner(problem, constants)
-    ilp = _BlockIlp.build(problem)
+    ilp = BlockIlp.build(problem)
     rows = []
     for k in range(N_BUDGETS):
         budget = round(our_min + (keep_all.peak_bytes - our_min) * k / (N_BUDGETS - 1))

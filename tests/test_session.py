@@ -9,7 +9,7 @@ from remat_plugin.errors import BudgetFormatError, InfeasibleBudgetError
 from remat_plugin.runtime.config import ConfigError, RematConfig
 from remat_plugin.runtime.optimizer_state import pending_state_bytes
 from remat_plugin.runtime.session import RematSession
-from remat_plugin.runtime.signature import bucketed_inputs, covers, describe, key_of, round_length, signature
+from remat_plugin.runtime.signature import Signature, bucketed_inputs, describe, round_length
 
 
 def _session(bench, budget=10**12, **config):
@@ -34,12 +34,12 @@ def test_buckets_round_token_lengths_only_and_cover_smaller_calls():
     b_args, b_kwargs, changed = bucketed_inputs((ids,), {"f": feats}, "pow2")
     assert changed and b_args[0].shape == (4, 128) and b_kwargs["f"].shape == (4, 100, 3)
     assert not bucketed_inputs((ids[:, :64],), {}, "pow2")[2]
-    big = signature(module, (torch.ones(8, 128, dtype=torch.long),), {})
-    assert covers(big, signature(module, (ids,), {}))
-    assert covers(big, signature(module, (torch.ones(3, 128, dtype=torch.long),), {}))  # last partial batch
-    assert not covers(big, signature(module, (torch.ones(16, 64, dtype=torch.long),), {}))  # larger batch
-    assert not covers(big, signature(module, (torch.ones(8, 128, dtype=torch.int32),), {}))  # other dtype
-    assert describe(key_of(big)) == "8x128 int64"
+    big = Signature.of(module, (torch.ones(8, 128, dtype=torch.long),), {})
+    assert big.covers(Signature.of(module, (ids,), {}))
+    assert big.covers(Signature.of(module, (torch.ones(3, 128, dtype=torch.long),), {}))  # last partial batch
+    assert not big.covers(Signature.of(module, (torch.ones(16, 64, dtype=torch.long),), {}))  # larger batch
+    assert not big.covers(Signature.of(module, (torch.ones(8, 128, dtype=torch.int32),), {}))  # other dtype
+    assert describe(big.key) == "8x128 int64"
 
 
 def test_eval_and_no_grad_calls_never_plan():

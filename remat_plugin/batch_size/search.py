@@ -23,9 +23,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
-from remat_plugin.ir.plan import make_plan
 from remat_plugin.ir.problem import Op, Problem, Value
-from remat_plugin.runtime.module import capture_problem
+from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.runtime.steps import capture_problem
 
 log = logging.getLogger(__name__)
 

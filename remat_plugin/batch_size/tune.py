@@ -22,7 +22,7 @@ from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import human_bytes
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.side_effects import unobserved
-from remat_plugin.runtime.steps import device_of
+from remat_plugin.runtime.signature import device_of
 
 log = logging.getLogger(__name__)
 

@@ -346,7 +346,7 @@ def _nearer(point: Point, timeline: dict[str, Any], target: float) -> bool:
 def _ours_timelines(ctx: _Context, rm: RematModule, point: Point) -> dict[str, Any]:
     """Ours measured, and ours and the keep-all schedule predicted on the plan's problem (module docstring)."""
     series = {"ours measured": ctx.record_timeline(lambda: _ready(lambda a, k: ctx.bench.loss(rm(*a, **k))))}
-    problem = rm._current.get("problem")  # the plan's problem, kept by plan_step (steps.py)
+    problem = rm.problem
     plan = rm.plan
     if problem is not None and plan is not None:
         for name, schedule in (("keep-all", Schedule.keep_all(problem)), ("ours", Schedule(plan.schedule))):

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils.flop_counter import FlopCounterMode
 
 from remat_plugin.capture.joint import JointGraph
-from remat_plugin.capture.measured_costs import OpCosts, _signature
+from remat_plugin.capture.measured_costs import OpCosts, op_signature
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,10 @@ def estimate_costs(joint: JointGraph, rates: DeviceRates = DeviceRates(), progre
     time_ms: dict[str, float] = {}
     with unset_fake_temporarily():
         for i, node in enumerate(joint.ops):
-            sig = _signature(node)
+            sig = op_signature(node)
             if sig not in cache:
                 cache[sig] = _op_ms(node, rates)
             time_ms[node.name] = cache[sig]
             if progress is not None:
                 progress(i + 1, len(joint.ops))
-    return OpCosts(time_ms, {n.name: 0 for n in joint.ops}, len(cache))
+    return OpCosts(time_ms, {n.name: 0 for n in joint.ops})

@@ -23,16 +23,6 @@ from remat_plugin.errors import CaptureError
 log = logging.getLogger(__name__)
 
 
-def input_signature(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """What a plan depends on: shapes, dtypes, devices, which kwargs, non-tensor values, train and grad mode."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    desc = tuple(
-        (tuple(x.shape), x.dtype, str(x.device), x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
-        for x in leaves
-    )
-    return (str(spec), desc, module.training, torch.is_grad_enabled())
-
-
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """``torch.export`` with a :class:`CaptureError` that names the failing op or line."""
     try:
@@ -82,10 +72,14 @@ def build_step(
     module: nn.Module,
     args: tuple,
     kwargs: dict,
-    partition: Callable[[JointGraph], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
+    emit: Callable[[JointGraph], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
     device: torch.device,
 ) -> CompiledStep:
-    """Export ``module`` and wrap it so its first call traces the joint graph and calls ``partition``."""
+    """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
+
+    ``emit`` receives the joint graph (where planning happens) and returns the forward and
+    backward programs; AOTAutograd calls it as its partitioner.
+    """
     ep = export_module(module, args, kwargs)
     gm = ep.module()
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
@@ -113,7 +107,7 @@ def build_step(
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
-        return partition(joint)
+        return emit(joint)
 
     def boxed(gm_, _example):
         # Boxed calling convention: the program receives the argument list and clears it,

@@ -34,7 +34,7 @@ _ALIAS_OPS = {
 }
 
 
-def _is_view_target(target) -> bool:
+def is_view_target(target) -> bool:
     if target in _ALIAS_OPS:
         return True
     if isinstance(target, torch._ops.OpOverload):
@@ -107,12 +107,12 @@ class JointGraph:
                 depends_on_input.add(n.name)
             if n.target is operator.getitem:
                 src = args[0]
-                if src.name in self.values_of or src.op != "call_function" or not _is_view_target(src.target):
+                if src.name in self.values_of or src.op != "call_function" or not is_view_target(src.target):
                     self.root[n.name] = n.name  # one output of a multi-output op
                 else:
                     self.root[n.name] = self.root.get(_node_args(src)[0].name)
                 continue
-            if _is_view_target(n.target):
+            if is_view_target(n.target):
                 tensor_args = [a for a in args if isinstance(a.meta.get("val"), torch.Tensor)]
                 self.root[n.name] = self.root.get(tensor_args[0].name) if tensor_args else None
                 continue

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,9 @@ log = logging.getLogger(__name__)
 class OpCosts:
     time_ms: dict[str, float]
     temp_bytes: dict[str, int]
-    n_measured: int  # distinct op signatures actually run
 
 
-def _signature(node: fx.Node) -> tuple:
+def op_signature(node: fx.Node) -> tuple:
     def describe(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
@@ -80,36 +80,54 @@ def _time_op(node: fx.Node, device: torch.device, min_total_ms: float = 2.0, max
     return times[len(times) // 2]
 
 
-def profile_ops(joint: JointGraph, device: torch.device, progress=None) -> OpCosts:
-    """Measure each op of ``joint`` (cached by signature); failures fall back to a bytes-based estimate."""
+class OpTimings:
+    """Measured op times by :func:`op_signature`, kept by whoever plans repeatedly (bounded, oldest out).
+
+    Measurements outlive one capture: re-planning the same shapes (another budget, a resumed
+    run) then finds the same costs, hence the same problem and the same prepared planner.
+    """
+
+    def __init__(self, max_entries: int = 100_000):
+        self.max_entries = max_entries
+        self._ms: OrderedDict[tuple, float] = OrderedDict()
+
+    def get(self, sig: tuple) -> float | None:
+        return self._ms.get(sig)
+
+    def put(self, sig: tuple, ms: float) -> None:
+        self._ms[sig] = ms
+        while len(self._ms) > self.max_entries:
+            self._ms.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._ms)
+
+
+def profile_ops(joint: JointGraph, device: torch.device, progress=None, timings: OpTimings | None = None) -> OpCosts:
+    """Measure each op of ``joint`` (looked up in ``timings`` first); failures fall back to a bytes-based estimate."""
     devices = [device] if device.type == "cuda" else []
     # Planning runs inside AOTAutograd's partitioner, under its fake-tensor mode: step out of it
     # so the ops run on real tensors.  Random ops must not shift the user's RNG stream.
     with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
-        return _profile_ops(joint, device, progress)
+        return _profile_ops(joint, device, progress, OpTimings() if timings is None else timings)
 
 
-# Measurements outlive one capture: re-planning the same shapes (another budget, a resumed
-# run) then finds the same costs, hence the same problem and the same cached menus.
-_TIMINGS: dict[tuple, float] = {}
-
-
-def _profile_ops(joint: JointGraph, device: torch.device, progress) -> OpCosts:
-    cache = _TIMINGS
-    measured_before = len(cache)
+def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpTimings) -> OpCosts:
     time_ms: dict[str, float] = {}
     temp: dict[str, int] = {}
     for i, node in enumerate(joint.ops):
-        sig = _signature(node)
-        if sig not in cache:
+        sig = op_signature(node)
+        ms = timings.get(sig)
+        if ms is None:
             try:
-                cache[sig] = _time_op(node, device)
+                ms = _time_op(node, device)
             except Exception as exc:  # noqa: BLE001 -- any op may reject random inputs: estimate from bytes moved
                 est = sum(joint.value_bytes(v) for v in joint.values_of[node.name]) / 2e9 * 1e3
                 log.debug("profile: %s failed on generated inputs (%s); estimated %.3f ms", node.target, exc, est)
-                cache[sig] = est
-        time_ms[node.name] = cache[sig]
+                ms = est
+            timings.put(sig, ms)
+        time_ms[node.name] = ms
         temp[node.name] = 0
         if progress is not None:
             progress(i + 1, len(joint.ops))
-    return OpCosts(time_ms, temp, len(cache) - measured_before)
+    return OpCosts(time_ms, temp)

@@ -20,7 +20,7 @@ from torch._functorch._aot_autograd.descriptors import (
 from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
 from torch._functorch.partitioners import _extract_fwd_bwd_outputs, _extract_graph_with_inputs_outputs
 
-from remat_plugin.capture.joint import RNG_SUFFIX, TANGENTS_OP, JointGraph, _is_view_target
+from remat_plugin.capture.joint import RNG_SUFFIX, TANGENTS_OP, JointGraph, is_view_target
 from remat_plugin.ir.problem import Schedule
 
 
@@ -99,7 +99,7 @@ def _placeholder_reads(joint: JointGraph, node: fx.Node) -> list[str]:
                 found.append(a.name)
         elif (
             a.op == "call_function"
-            and (a.target is operator.getitem or _is_view_target(a.target))
+            and (a.target is operator.getitem or is_view_target(a.target))
             and joint.root.get(a.name) is None
         ):
             fx.node.map_arg((a.args, a.kwargs), visit)
@@ -108,7 +108,7 @@ def _placeholder_reads(joint: JointGraph, node: fx.Node) -> list[str]:
     return found
 
 
-def partition(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
+def emit_programs(joint: JointGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Forward and backward graph modules realising ``schedule`` on ``joint``."""
     kept = kept_values(joint, schedule)
     rng_needed = {k.removesuffix(RNG_SUFFIX) for k in kept if k.endswith(RNG_SUFFIX)}

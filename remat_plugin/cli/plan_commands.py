@@ -18,12 +18,13 @@ import torch
 
 from remat_plugin.cli.model_source import ModelSpecError, load_model
 from remat_plugin.errors import BudgetFormatError, InfeasibleBudgetError, human_bytes
-from remat_plugin.ir.plan import Plan, make_plan
+from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
+from remat_plugin.planning.choose_plan import make_plan
 from remat_plugin.runtime.budget import parse_budget
-from remat_plugin.runtime.module import capture_problem
 from remat_plugin.runtime.progress import PlanningProgress
+from remat_plugin.runtime.steps import capture_problem
 
 log = logging.getLogger(__name__)
 

@@ -97,3 +97,16 @@ def simulate(problem: Problem, schedule: Schedule) -> Simulation:
                 if len(fwd) <= d < len(sequence)
             )
     return Simulation(peak, time_ms, recompute_ms, kept, tuple(timeline), tuple(sequence))
+
+
+def simulate_within(
+    problem: Problem, schedule: Schedule, peak_budget_bytes: int, kept_budget_bytes: int | None = None
+) -> Simulation | None:
+    """The simulation of ``schedule`` if it is valid and within both budgets, else None."""
+    try:
+        sim = simulate(problem, schedule)
+    except InvalidScheduleError:
+        return None
+    if sim.peak_bytes > peak_budget_bytes or (kept_budget_bytes is not None and sim.kept_bytes > kept_budget_bytes):
+        return None
+    return sim

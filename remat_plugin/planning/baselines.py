@@ -4,7 +4,7 @@
   inputs survive the first forward, and each segment is recomputed just before its backward.
 * :func:`rotor_schedule` — pure Rotor: the chain DP of :mod:`remat_plugin.planning.solvers.chain` where each
   block's only option is keep-everything (rk-Rotor without the block ILP menu).
-* :func:`checkmate_schedule` — Checkmate: the whole-graph ILP of :mod:`remat_plugin.planning.solvers.ilp`.
+* :func:`checkmate_solve` — Checkmate: the whole-graph ILP of :mod:`remat_plugin.planning.solvers.ilp`.
 
 All three work on the block chain of :func:`remat_plugin.planning.blocks.make_blocks` (the ILP needs none).
 A schedule's cost is whatever :func:`remat_plugin.ir.simulate.simulate` says; every budgeted function here
@@ -13,22 +13,21 @@ checks the simulated peak before it returns a schedule.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pulp
 
 from remat_plugin.ir.problem import Problem, Schedule
-from remat_plugin.ir.simulate import Simulation, simulate
+from remat_plugin.ir.simulate import Simulation, simulate, simulate_within
 from remat_plugin.planning.blocks import Block, make_blocks
+from remat_plugin.planning.budget_search import fastest_fitting
 from remat_plugin.planning.menus import Planner
 from remat_plugin.planning.solvers import pulp_backend
-from remat_plugin.planning.solvers.ilp import _BlockIlp, _fits, block_option
+from remat_plugin.planning.solvers.ilp import BlockIlp, block_option
 
 __all__ = [
     "CheckmateResult",
     "checkmate_min_peak",
-    "checkmate_schedule",
     "checkmate_solve",
     "rotor_planner",
     "rotor_schedule",
@@ -116,9 +115,6 @@ def _fit_budget(planner: Planner, problem: Problem, budget_bytes: int) -> tuple[
     base = simulate(problem, keep_all)
     if base.peak_bytes <= budget_bytes:
         return keep_all, base
-    from remat_plugin.planning.budget_search import (
-        fastest_fitting,  # search.py imports this module lazily; import it lazily too
-    )
 
     found = fastest_fitting(planner, budget_bytes)
     if found is not None:
@@ -152,18 +148,8 @@ class CheckmateResult:
     objective_ms: float | None  # the ILP's recompute time (equals the simulated recompute_ms)
 
 
-@contextmanager
-def _gap(gap_rel: float | None):
-    """Temporarily set the MILP relative gap (pulp_backend reads GAP_REL at every solve)."""
-    if gap_rel is None:
-        yield
-        return
-    old = pulp_backend.GAP_REL
-    pulp_backend.GAP_REL = gap_rel
-    try:
-        yield
-    finally:
-        pulp_backend.GAP_REL = old
+def _gap(gap_rel: float | None) -> float:
+    return pulp_backend.DEFAULT_GAP_REL if gap_rel is None else gap_rel
 
 
 def checkmate_solve(
@@ -173,19 +159,18 @@ def checkmate_solve(
     *,
     gap_rel: float | None = None,
     solver: str | None = None,
-    ilp: _BlockIlp | None = None,
+    ilp: BlockIlp | None = None,
 ) -> CheckmateResult:
-    """The whole-graph ILP at ``budget_bytes`` with its solve status; see :func:`checkmate_schedule`.
+    """The whole-graph ILP at ``budget_bytes`` with its solve status; the schedule, if any, has been checked by the simulator to fit the budget.
 
-    ``gap_rel`` overrides :data:`pulp_backend.GAP_REL` (1 %) for this solve; 0 asks for a proof of
-    optimality.  ``ilp`` (a built ``_BlockIlp`` of ``problem``) may be passed to reuse the model.
+    ``gap_rel`` overrides :data:`pulp_backend.DEFAULT_GAP_REL` (1 %) for this solve; 0 asks for a proof of
+    optimality.  ``ilp`` (a built ``BlockIlp`` of ``problem``) may be passed to reuse the model.
     """
     keep_all = Schedule.keep_all(problem)
-    if _fits(problem, keep_all, budget_bytes, None) is not None:
+    if simulate_within(problem, keep_all, budget_bytes) is not None:
         return CheckmateResult(keep_all, True, "keep_all", 0.0)
-    ilp = _BlockIlp.build(problem, solver) if ilp is None else ilp
-    with _gap(gap_rel):
-        found = ilp.solve(budget_bytes, None, time_limit_s)
+    ilp = BlockIlp.build(problem, solver) if ilp is None else ilp
+    found = ilp.solve(budget_bytes, None, time_limit_s, gap_rel=_gap(gap_rel))
     if found is None:
         infeasible = ilp.prob.status == pulp.LpStatusInfeasible
         return CheckmateResult(None, infeasible, "infeasible" if infeasible else "none", None)
@@ -196,23 +181,13 @@ def checkmate_solve(
     return CheckmateResult(schedule, optimal, "optimal" if optimal else "feasible", pulp.value(ilp.recompute_ms))
 
 
-def checkmate_schedule(problem: Problem, budget_bytes: int, time_limit_s: float = 60.0) -> Schedule | None:
-    """Checkmate: the least-recompute schedule of the whole graph within ``budget_bytes``, or None.
-
-    The whole-graph ILP (:func:`remat_plugin.planning.solvers.ilp.solve_schedule`), forward fixed; the
-    schedule it returns has been checked by the simulator to fit the budget.
-    """
-    return checkmate_solve(problem, budget_bytes, time_limit_s).schedule
-
-
 def checkmate_min_peak(
     problem: Problem, time_limit_s: float = 60.0, *, gap_rel: float | None = 0.0, solver: str | None = None
 ) -> tuple[int, bool]:
     """Least simulated peak the whole-graph ILP reaches (any recompute time), and whether it was proved optimal."""
-    ilp = _BlockIlp.build(problem, solver)
+    ilp = BlockIlp.build(problem, solver)
     big = simulate(problem, Schedule.keep_all(problem)).peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1
-    with _gap(gap_rel):
-        found = ilp.solve(big, None, time_limit_s, objective="peak")
+    found = ilp.solve(big, None, time_limit_s, objective="peak", gap_rel=_gap(gap_rel))
     if found is None:
         raise RuntimeError("checkmate_min_peak: the whole-graph ILP found no schedule")
     optimal = bool(found[1]) and ilp.prob.sol_status == pulp.LpSolutionOptimal

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from remat_plugin.ir.problem import Problem, Schedule
+from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
 from remat_plugin.planning.menus import Planner
 from remat_plugin.planning.solvers.chain import ChainAction, ChainPlan
 from remat_plugin.planning.solvers.ilp import block_option, solve_schedule
 
-Candidate = tuple[Schedule, Simulation, ChainPlan | None]
+ScheduleCandidate = tuple[Schedule, Simulation, ChainPlan | None]  # a schedule, its simulation, its chain plan
 
 
 def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
@@ -86,7 +86,7 @@ def _swap_option(cp: ChainPlan, block: int, option: int) -> ChainPlan:
     actions = tuple(
         ChainAction(a.kind, a.block, option) if a.block == block and a.kind != "fwd_none" else a for a in cp.actions
     )
-    return ChainPlan(actions, cp.time_ms, cp.peak_bytes, cp.checkpoints)
+    return ChainPlan(actions, cp.time_ms, cp.peak_bytes)
 
 
 def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float = 2.0):
@@ -113,23 +113,3 @@ def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float =
             if time.perf_counter() > deadline:
                 break
     return best
-
-
-def portfolio(problem: Problem, constants: set[str], planner: Planner, budget_bytes: int, chosen):
-    """Also weigh the classical schedules (pure Rotor, Chen's sqrt(n)) and keep the fastest that fits.
-
-    Our menus contain Rotor's keep-all option, so in the DP's model we are never worse; the
-    DP's rounding can still make it miss a Rotor plan the simulator accepts.  Checking both
-    costs one DP and two simulations, and makes "never worse than Rotor or sqrt(n)" a guarantee.
-    """
-    from remat_plugin.planning.baselines import rotor_schedule, sqrt_n_schedule  # baselines build on this module
-
-    candidates = [sqrt_n_schedule(problem, constants, planner.blocks)]
-    rotor = rotor_schedule(problem, constants, budget_bytes)
-    if rotor is not None:
-        candidates.append(rotor)
-    for sched in candidates:
-        sim = simulate(problem, sched)
-        if sim.peak_bytes <= budget_bytes and (chosen is None or sim.time_ms < chosen[1].time_ms):
-            chosen = (sched, sim, None)
-    return chosen

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat_plugin.ir.plan import BlockChoice, Plan
+from remat_plugin.runtime.forward_swap import swapped_forwards
 from remat_plugin.runtime.side_effects import restored_buffers
 
 log = logging.getLogger(__name__)
@@ -54,20 +55,9 @@ def _checkpointed_forward(layer: nn.Module, forward):
     return checkpointed
 
 
-@contextlib.contextmanager
-def checkpointed_layers(layers: list[nn.Module]):
+def checkpointed_layers(layers: list[nn.Module]) -> contextlib.AbstractContextManager[None]:
     """Run ``layers`` checkpointed inside the block; their ``forward`` is restored on exit."""
-    originals = [(layer.forward, layer.__dict__.get("forward")) for layer in layers]
-    try:
-        for layer, (forward, _) in zip(layers, originals):
-            layer.forward = _checkpointed_forward(layer, forward)
-        yield
-    finally:
-        for layer, (_, own) in zip(layers, originals):
-            if own is None:
-                del layer.forward  # back to the class's forward
-            else:
-                layer.forward = own
+    return swapped_forwards(layers, _checkpointed_forward)
 
 
 def fallback_plan(reason: str, chain_name: str, layers: list[nn.Module], budget_bytes: int, signature: str) -> Plan:

@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import nn
 
-from remat_plugin.capture.export import build_step, input_signature
-from remat_plugin.capture.joint import JointGraph
-from remat_plugin.capture.programs import partition
 from remat_plugin.ir.plan import Plan
+from remat_plugin.ir.problem import Problem
 from remat_plugin.runtime.budget import parse_budget
+from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.side_effects import unobserved
-from remat_plugin.runtime.steps import Step, device_of, measured_problem, plan_step
+from remat_plugin.runtime.signature import Call
+from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches
+from remat_plugin.runtime.store import PlanStore
 
 log = logging.getLogger(__name__)
 
@@ -23,17 +25,23 @@ class RematModule(nn.Module):
 
     ``original`` is not registered as a child: parameters, buffers and ``state_dict``
     keys are exactly the original's, and the Parameter objects are the same objects.
+    Steps are resolved as in a training session (:mod:`remat_plugin.runtime.resolver`) with
+    exact shapes: a call with new shapes replays a known plan that covers them, else plans
+    them inside that call.
     """
 
     original: nn.Module  # set with object.__setattr__: not a registered child
+    _resolver: StepResolver  # likewise, so nn.Module does not look into it
 
-    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5):
+    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5, *,
+                 caches: PlanningCaches | None = None):
         super().__init__()
         object.__setattr__(self, "original", original)
         self.budget = budget
         self.ilp_time_limit_s = ilp_time_limit_s
-        self._steps: dict[tuple, tuple[Any, dict[str, Any]]] = {}
-        self._current: dict[str, Any] = {}  # the info of the latest signature run or prepared
+        object.__setattr__(self, "_resolver", StepResolver(
+            original, PlanStore(original), caches or PROCESS_CACHES, ilp_time_limit_s=ilp_time_limit_s,
+            find_floor=True, plan_lazily=True))
         self.training = original.training
 
     # --- the original's state, unchanged -------------------------------------------------
@@ -62,37 +70,47 @@ class RematModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self.original._apply(fn, recurse)
-        self._steps.clear()  # plans are per device and dtype
+        self._resolver.clear()  # plans are per device and dtype
         return self
 
     # --- planning and running ------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if not (self.original.training and torch.is_grad_enabled()):
             return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
-        return self._entry(args, kwargs)[0](args, kwargs)
+        call = Call.of(self.original, args, kwargs)
+        step = self._resolver.step_for(call, lambda: self._budget_bytes(call))
+        return self._resolver.run(call, step, lambda: self._budget_bytes(call))
 
     def prepare(self, args: tuple, kwargs: dict) -> Plan:
         """Plan for these inputs now (capture, profile, solve) without changing any state."""
-        step, info = self._entry(args, kwargs)
-        if "plan" not in info:
-            with unobserved(self.original, device_of(args, kwargs, self.original)):
-                step(args, kwargs)  # the first call traces and plans; its outputs are dropped
-        return info["plan"]
+        call = Call.of(self.original, args, kwargs)
+        step = self._resolver.step_for(call, lambda: self._budget_bytes(call))
+        if not step.checked:
+            with unobserved(self.original, call.device):  # the first call plans; its outputs are dropped
+                self._resolver.run(call, step, lambda: self._budget_bytes(call))
+        self._resolver.latest = self._resolver.steps[call.key]
+        plan = self._resolver.latest.plan
+        assert plan is not None
+        return plan
 
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[Step, dict[str, Any]]:
-        sig = input_signature(self.original, args, kwargs)
-        if sig not in self._steps:
-            budget_bytes = parse_budget(self.budget, device_of(args, kwargs, self.original))
-            self._steps[sig] = plan_step(self.original, args, kwargs, budget_bytes,
-                                         ilp_time_limit_s=self.ilp_time_limit_s, signature=repr(sig)[:200])
-        step, info = self._steps[sig]
-        self._current = info
-        return step, info
+    def _budget_bytes(self, call: Call) -> int:
+        return parse_budget(self.budget, call.device)
 
     @property
     def plan(self) -> Plan | None:
         """The plan of the latest input signature run or prepared (None before the first)."""
-        return self._current.get("plan")
+        return self._resolver.current_plan
+
+    @property
+    def problem(self) -> Problem | None:
+        """The problem the latest signature's plan was solved on (None for a replayed plan or a fallback)."""
+        latest = self._resolver.latest
+        return latest.problem if latest is not None else None
+
+    @property
+    def steps(self) -> Mapping[str, PlannedStep]:
+        """The planned steps by input signature key (read-only)."""
+        return MappingProxyType(self._resolver.steps)
 
 
 def rematerialize(
@@ -113,29 +131,3 @@ def rematerialize(
     rm = RematModule(module, budget, ilp_time_limit_s)
     rm.prepare(tuple(args), dict(kwargs or {}))
     return rm
-
-
-def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None, progress=None):
-    """Capture and profile ``module`` on these inputs; return ``(problem, constants)`` without planning.
-
-    For solver studies and benchmarks: the problem is what :func:`rematerialize` plans on.
-    Runs one forward of the unmodified schedule (RNG and buffers restored afterwards).
-    """
-    from remat_plugin.ir.problem import Schedule
-
-    kwargs = dict(kwargs or {})
-    device = device_of(args, kwargs, module)
-    found: dict[str, Any] = {}
-
-    def record(joint: JointGraph):
-        if progress is not None:
-            progress.stage(f"profile {len(joint.ops)} ops" if device.type != "meta" else "estimate op costs")
-        found["problem"], found["constants"] = measured_problem(joint, device, progress)
-        return partition(joint, Schedule.keep_all(found["problem"]))
-
-    if progress is not None:
-        progress.stage("capture")
-    step = build_step(module, tuple(args), kwargs, record, device)
-    with unobserved(module, device):
-        step(tuple(args), kwargs)
-    return found["problem"], found["constants"]

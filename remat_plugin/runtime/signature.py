@@ -1,17 +1,20 @@
-"""Shape buckets: which plan serves which inputs, so variable-length training does not re-plan every step.
+"""Input signatures and shape buckets: which plan serves which call.
 
-An input signature (:func:`signature`) is plain JSON data: the pytree layout, and per leaf its
-shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), plus train and
-grad mode.  Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean
-inputs: token ids, masks, labels) rounds up, by default to a power of two.  The batch
-dimension is not rounded: a new batch size is a new bucket, while a smaller one (the last
-partial batch) is served by the plan of the larger, since a plan for larger shapes of the
-same graph is memory-safe (:func:`covers`).
+A :class:`Signature` is what a plan depends on: the pytree layout of the call, per leaf its
+shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), and train and
+grad mode.  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
+
+Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean inputs: token
+ids, masks, labels) rounds up, by default to a power of two.  The batch dimension is not
+rounded: a new batch size is a new bucket, while a smaller one (the last partial batch) is
+served by the plan of the larger, since a plan for larger shapes of the same graph is
+memory-safe (:meth:`Signature.covers`).
 """
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,22 +23,101 @@ from torch import nn
 
 BucketPolicy = str | int | None  # "pow2", a multiple such as 64, or None (exact lengths)
 
+TensorLeaf = tuple[tuple[int, ...], str, str, bool]  # shape, dtype, device type, requires_grad
 
-def signature(module: nn.Module, args: tuple, kwargs: dict) -> list:
-    """The JSON-able description of a call that a plan depends on."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    desc: list[Any] = []
-    for x in leaves:
+
+@dataclass(frozen=True)
+class Signature:
+    """The description of a call that a plan depends on; see the module docstring."""
+
+    layout: str
+    leaves: tuple[TensorLeaf | str, ...]
+    training: bool
+    grad_enabled: bool
+
+    @classmethod
+    def of(cls, module: nn.Module, args: tuple, kwargs: dict) -> Signature:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        desc: list[TensorLeaf | str] = [
+            (tuple(x.shape), str(x.dtype), x.device.type, bool(x.requires_grad)) if isinstance(x, torch.Tensor)
+            else repr(x)
+            for x in leaves
+        ]
+        return cls(str(spec), tuple(desc), bool(module.training), bool(torch.is_grad_enabled()))
+
+    @property
+    def key(self) -> str:
+        """A stable string for this signature (JSON)."""
+        leaves = [x if isinstance(x, str) else [list(x[0]), x[1], x[2], x[3]] for x in self.leaves]
+        return json.dumps([self.layout, leaves, self.training, self.grad_enabled], separators=(",", ":"))
+
+    @classmethod
+    def from_key(cls, key: str) -> Signature:
+        layout, leaves, training, grad = json.loads(key)
+        return cls(layout, tuple(x if isinstance(x, str) else (tuple(x[0]), x[1], x[2], x[3]) for x in leaves),
+                   training, grad)
+
+    def covers(self, small: Signature) -> bool:
+        """Whether a plan for ``self`` serves ``small``: same layout, dtypes and modes, no dimension larger."""
+        if (self.layout, self.training, self.grad_enabled) != (small.layout, small.training, small.grad_enabled):
+            return False
+        if len(self.leaves) != len(small.leaves):
+            return False
+        for b, s in zip(self.leaves, small.leaves):
+            if isinstance(b, str) or isinstance(s, str):
+                if b != s:
+                    return False
+                continue
+            if b[1:] != s[1:] or len(b[0]) != len(s[0]) or any(x < y for x, y in zip(b[0], s[0])):
+                return False
+        return True
+
+    @property
+    def volume(self) -> int:
+        """Total elements of the tensors: among plans that cover a call, the smallest is the tightest."""
+        return sum(math.prod(x[0]) for x in self.leaves if not isinstance(x, str))
+
+    def describe(self) -> str:
+        """For people: the tensor inputs' shapes and dtypes (``8x128 int64, 8x128 int64``)."""
+        parts = ["x".join(map(str, x[0])) + " " + x[1].removeprefix("torch.") for x in self.leaves
+                 if not isinstance(x, str)]
+        return ", ".join(parts) or "no tensors"
+
+
+def describe(key: str) -> str:
+    """A signature key for people (see :meth:`Signature.describe`); other text is shortened."""
+    try:
+        return Signature.from_key(key).describe()
+    except (ValueError, TypeError, IndexError, KeyError):
+        return key[:120]
+
+
+def device_of(args: tuple, kwargs: dict, module: nn.Module) -> torch.device:
+    """The device the step runs on: that of the first tensor input, else of the parameters."""
+    for x in pytree.tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor):
-            desc.append([list(x.shape), str(x.dtype), x.device.type, bool(x.requires_grad)])
-        else:
-            desc.append(repr(x))
-    return [str(spec), desc, bool(module.training), bool(torch.is_grad_enabled())]
+            return x.device
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
-def key_of(sig: list) -> str:
-    """A stable string key for a signature (dict keys, checkpoints, cache file names)."""
-    return json.dumps(sig, separators=(",", ":"))
+@dataclass(frozen=True)
+class Call:
+    """One call of the module: its arguments, signature and device, passed along as one value."""
+
+    args: tuple
+    kwargs: dict
+    signature: Signature
+    device: torch.device
+
+    @classmethod
+    def of(cls, module: nn.Module, args: tuple, kwargs: dict) -> Call:
+        args, kwargs = tuple(args), dict(kwargs)
+        return cls(args, kwargs, Signature.of(module, args, kwargs), device_of(args, kwargs, module))
+
+    @property
+    def key(self) -> str:
+        return self.signature.key
 
 
 def round_length(n: int, policy: BucketPolicy) -> int:
@@ -68,32 +150,3 @@ def bucketed_inputs(args: tuple, kwargs: dict, policy: BucketPolicy) -> tuple[tu
         out.append(x)
     new_args, new_kwargs = pytree.tree_unflatten(out, spec)
     return tuple(new_args), dict(new_kwargs), changed
-
-
-def covers(big: list, small: list) -> bool:
-    """Whether a plan for ``big`` serves ``small``: same layout, dtypes and modes, no dimension larger."""
-    if big[0] != small[0] or big[2:] != small[2:] or len(big[1]) != len(small[1]):
-        return False
-    for b, s in zip(big[1], small[1]):
-        if isinstance(b, str) or isinstance(s, str):
-            if b != s:
-                return False
-            continue
-        if b[1:] != s[1:] or len(b[0]) != len(s[0]) or any(x < y for x, y in zip(b[0], s[0])):
-            return False
-    return True
-
-
-def volume(sig: list) -> int:
-    """Total elements of a signature's tensors: among plans that cover a call, the smallest is the tightest."""
-    return sum(math.prod(d[0]) for d in sig[1] if not isinstance(d, str))
-
-
-def describe(key: str) -> str:
-    """A signature key for people: the tensor inputs' shapes and dtypes (``8x128 int64, 8x128 int64``)."""
-    try:
-        sig = json.loads(key)
-        parts = ["x".join(map(str, d[0])) + " " + d[1].removeprefix("torch.") for d in sig[1] if not isinstance(d, str)]
-    except (ValueError, TypeError, IndexError, KeyError):
-        return key[:120]
-    return ", ".join(parts) or "no tensors"

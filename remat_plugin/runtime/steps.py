@@ -1,4 +1,4 @@
-"""Build the planned step of one input signature: plan it afresh, or replay a plan made for larger shapes.
+"""Build the planned step of one call: plan it afresh, or replay a plan made for larger shapes.
 
 A plan's schedule names joint-graph ops, and the graph of a model is the same for every
 shape that traces the same code (a shorter sequence, a smaller batch).  So a plan made for
@@ -6,6 +6,9 @@ larger inputs can be replayed on smaller ones without profiling or solving: the 
 must have the same ops (its ``graph_key``), and the simulator, with the new sizes, must
 still put the schedule under the budget.  Otherwise :class:`PlanMismatch` says why and
 the caller plans afresh.
+
+AOTAutograd traces the joint graph at a step's first call, and planning happens inside that
+trace; so a :class:`PlannedStep` knows its plan and problem once it has been called.
 """
 from __future__ import annotations
 
@@ -13,37 +16,67 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from remat_plugin.capture.estimated_costs import estimate_costs
-from remat_plugin.capture.export import CompiledStep, build_step
+from remat_plugin.capture.export import build_step
 from remat_plugin.capture.joint import JointGraph
-from remat_plugin.capture.measured_costs import profile_ops
-from remat_plugin.capture.programs import partition
+from remat_plugin.capture.measured_costs import OpTimings, profile_ops
+from remat_plugin.capture.programs import emit_programs
 from remat_plugin.errors import CaptureError, human_bytes
-from remat_plugin.ir.plan import Plan, make_plan, safety_margin
-from remat_plugin.ir.problem import Schedule
+from remat_plugin.ir.plan import Plan, safety_margin
+from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import InvalidScheduleError, simulate
+from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.runtime.fallback import checkpointed_layers, fallback_plan, find_layer_chain
-
-Step = Callable[[tuple, dict], Any]
+from remat_plugin.runtime.side_effects import unobserved
+from remat_plugin.runtime.signature import Call
 
 
 class PlanMismatch(Exception):
     """A stored plan does not apply to this graph (other ops, or over budget at these sizes)."""
 
 
-def device_of(args: tuple, kwargs: dict, module: nn.Module) -> torch.device:
-    """The device the step runs on: that of the first tensor input, else of the parameters."""
-    for x in pytree.tree_leaves((args, kwargs)):
-        if isinstance(x, torch.Tensor):
-            return x.device
-    p = next(module.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
+@dataclass
+class PlanningCaches:
+    """What planning keeps between plans of one model: measured op times and prepared planners.
+
+    Owned by the runtime object that plans (a :class:`~remat_plugin.runtime.module.RematModule`,
+    a session, a batch-size search) and passed down; nothing is kept in module state.
+    """
+
+    op_timings: OpTimings = field(default_factory=OpTimings)
+    planners: PlannerCache = field(default_factory=PlannerCache)
+
+
+# The default owner for runtimes not given their own: plans of the same shapes made again in this
+# process (another budget, a new RematModule, a resumed run) measure the same costs, hence get the
+# same problem and reuse its prepared planner.  Both caches are bounded.
+PROCESS_CACHES = PlanningCaches()
+
+
+@dataclass(eq=False)
+class PlannedStep:
+    """The step of one input signature: call it with the user's args and kwargs.
+
+    ``plan`` is the plan it runs (for a replayed plan, with its predicted peak at these sizes
+    once the first call has checked it); ``problem`` is the planning problem it was solved on
+    (None for a replayed plan, whose graph carries no measured times, and for a fallback).
+    ``checked`` is True once the plan is made or checked for this graph (the first call).
+    """
+
+    run: Callable[[tuple, dict], Any]
+    signature_key: str
+    plan: Plan | None = None
+    problem: Problem | None = None
+    checked: bool = False
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        return self.run(args, kwargs)
 
 
 def graph_key(joint: JointGraph) -> str:
@@ -52,70 +85,85 @@ def graph_key(joint: JointGraph) -> str:
     return hashlib.sha1(f"{joint.num_fwd_outputs}|{desc}".encode()).hexdigest()[:16]
 
 
-def measured_problem(joint: JointGraph, device: torch.device, progress=None):
+def measured_problem(joint: JointGraph, device: torch.device, progress=None,
+                     op_timings: OpTimings | None = None) -> tuple[Problem, set[str]]:
     """The planning problem of ``joint`` with costs measured on ``device`` (estimated on ``meta``),
     and its forward constants."""
-    costs = estimate_costs(joint, progress=progress) if device.type == "meta" else profile_ops(joint, device, progress)
+    if device.type == "meta":
+        costs = estimate_costs(joint, progress=progress)
+    else:
+        costs = profile_ops(joint, device, progress, op_timings)
     problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
     return problem, {n for n in joint.constants if joint.is_fwd.get(n)}
 
 
-def plan_step(module: nn.Module, args: tuple, kwargs: dict, budget_bytes: int, *, ilp_time_limit_s: float,
-              signature: str, progress=None, find_floor: bool = True) -> tuple[Step, dict[str, Any]]:
-    """A step that captures, profiles and plans on its first call; ``info["plan"]`` is set then.
+def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,
+              caches: PlanningCaches, progress=None, find_floor: bool = True,
+              on_plan: Callable[[PlannedStep], None] | None = None) -> PlannedStep:
+    """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
 
     Models ``torch.export`` cannot capture fall back to per-layer checkpointing when they have
-    a list of repeated layers (``info["plan"].fallback`` says so), else :class:`CaptureError`.
+    a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
+    else :class:`CaptureError`.
     """
-    device = device_of(args, kwargs, module)
-    info: dict[str, Any] = {"signature": signature}
+    step = PlannedStep(run=_not_built, signature_key=call.key)
 
-    def plan_and_partition(joint: JointGraph):
+    def plan_and_emit(joint: JointGraph):
         t0 = time.perf_counter()
         if progress is not None:
             progress.stage(f"profile {len(joint.ops)} ops")
-        problem, constants = measured_problem(joint, device, progress)
+        problem, constants = measured_problem(joint, call.device, progress, caches.op_timings)
         if progress is not None:
             progress.stage("solve blocks, chain DP")
-        plan, schedule = make_plan(problem, constants, budget_bytes, ilp_time_limit_s, progress, find_floor)
-        plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=signature,
-                                   graph_key=graph_key(joint))
-        info["plan"], info["problem"] = plan, problem
-        return partition(joint, schedule)
+        plan, schedule = make_plan(problem, constants, budget_bytes, ilp_time_limit_s, progress, find_floor,
+                                   caches.planners)
+        step.plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=call.key,
+                                        graph_key=graph_key(joint))
+        step.problem, step.checked = problem, True
+        if on_plan is not None:
+            on_plan(step)
+        return emit_programs(joint, schedule)
 
     if progress is not None:
         progress.stage("capture")
     try:
-        return build_step(module, args, kwargs, plan_and_partition, device), info
+        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device)
     except CaptureError as err:
-        return _fallback_step(module, err, budget_bytes, info), info
+        step.run = _fallback(module, err, budget_bytes, step)
+        step.checked = True
+        if on_plan is not None:
+            on_plan(step)
+    return step
 
 
-def _fallback_step(module: nn.Module, err: CaptureError, budget_bytes: int, info: dict[str, Any]) -> Step:
+def _not_built(args: tuple, kwargs: dict) -> Any:
+    raise AssertionError("remat_plugin: a planned step ran before it was built")
+
+
+def _fallback(module: nn.Module, err: CaptureError, budget_bytes: int,
+              step: PlannedStep) -> Callable[[tuple, dict], Any]:
     """Per-layer checkpointing of the model's repeated layers, when the model has no graph."""
     chain = find_layer_chain(module)
     if chain is None:
         raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err
     name, layers = chain
-    info["plan"] = fallback_plan(str(err), name, layers, budget_bytes, info["signature"])
+    step.plan = fallback_plan(str(err), name, layers, budget_bytes, step.signature_key)
 
-    def step(args: tuple, kwargs: dict):
+    def run(args: tuple, kwargs: dict):
         with checkpointed_layers(layers):
             return module(*args, **kwargs)
 
-    return step
+    return run
 
 
-def replay_step(module: nn.Module, args: tuple, kwargs: dict, plan: Plan, budget_bytes: int,
-                signature: str) -> tuple[CompiledStep, dict[str, Any]]:
-    """A step running ``plan``'s schedule on these inputs; its first call raises :class:`PlanMismatch`
+def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) -> PlannedStep:
+    """A step running ``plan``'s schedule on this call; its first call raises :class:`PlanMismatch`
     (before running anything) if the graph differs or the schedule would exceed ``budget_bytes``."""
-    device = device_of(args, kwargs, module)
-    info: dict[str, Any] = {"signature": signature}
     if plan.fallback or not plan.graph_key:
         raise PlanMismatch("the plan has no schedule to replay")
+    step = PlannedStep(run=_not_built, signature_key=call.key, plan=plan)
 
-    def check_and_partition(joint: JointGraph):
+    def check_and_emit(joint: JointGraph):
         key = graph_key(joint)
         if key != plan.graph_key:
             raise PlanMismatch(f"graph {key} is not the plan's graph {plan.graph_key}")
@@ -127,8 +175,41 @@ def replay_step(module: nn.Module, args: tuple, kwargs: dict, plan: Plan, budget
         usable = budget_bytes - safety_margin(budget_bytes)
         if sim.peak_bytes > usable:
             raise PlanMismatch(f"predicted peak {human_bytes(sim.peak_bytes)} exceeds {human_bytes(usable)}")
-        info["plan"] = dataclasses.replace(plan, predicted_peak_bytes=sim.peak_bytes, planning_s=0.0,
-                                           signature=signature)
-        return partition(joint, Schedule(plan.schedule))
+        step.plan = dataclasses.replace(plan, predicted_peak_bytes=sim.peak_bytes, planning_s=0.0,
+                                        signature=call.key)
+        step.checked = True
+        return emit_programs(joint, Schedule(plan.schedule))
 
-    return build_step(module, args, kwargs, check_and_partition, device), info
+    step.run = build_step(module, call.args, call.kwargs, check_and_emit, call.device)
+    return step
+
+
+def run_unobserved(module: nn.Module, step: PlannedStep, call: Call) -> None:
+    """Run ``step`` once on ``call`` without a trace (buffers and RNG restored, outputs dropped): it plans."""
+    with unobserved(module, call.device):
+        step(call.args, call.kwargs)
+
+
+def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None, progress=None,
+                    op_timings: OpTimings | None = None) -> tuple[Problem, set[str]]:
+    """Capture and profile ``module`` on these inputs; return ``(problem, constants)`` without planning.
+
+    For solver studies, the batch-size search and the CLI: the problem is what
+    :func:`~remat_plugin.runtime.module.rematerialize` plans on.  Runs one forward of the
+    unmodified schedule (RNG and buffers restored afterwards).
+    """
+    call = Call.of(module, tuple(args), dict(kwargs or {}))
+    found: dict[str, Any] = {}
+
+    def record(joint: JointGraph):
+        if progress is not None:
+            progress.stage(f"profile {len(joint.ops)} ops" if call.device.type != "meta" else "estimate op costs")
+        found["problem"], found["constants"] = measured_problem(joint, call.device, progress, op_timings)
+        return emit_programs(joint, Schedule.keep_all(found["problem"]))
+
+    if progress is not None:
+        progress.stage("capture")
+    run = build_step(module, call.args, call.kwargs, record, call.device)
+    with unobserved(module, call.device):
+        run(call.args, call.kwargs)
+    return found["problem"], found["constants"]

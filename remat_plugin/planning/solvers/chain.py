@@ -97,7 +97,6 @@ class ChainPlan:
     actions: tuple[ChainAction, ...]
     time_ms: float
     peak_bytes: int  # from replay(), bytes above step start
-    checkpoints: tuple[int, ...]  # i ≥ 1 whose x_i outlives block i's forward in the first pass
 
 
 # ---------------------------------------------------------------------------- replay
@@ -183,18 +182,6 @@ def replay(blocks: Sequence[ChainBlock], actions: Sequence[ChainAction]) -> tupl
                 alive_bytes -= x_bytes[j]
             x_alive[j] = j == 0
     return peak_bytes, time_ms
-
-
-def _first_pass_checkpoints(n: int, actions: Sequence[ChainAction]) -> tuple[int, ...]:
-    """Indices ``i ≥ 1`` whose ``x_i`` survives block ``i``'s forward in the first forward pass."""
-    free_after = _x_free_after(n, actions)
-    out = []
-    for k, a in enumerate(actions):
-        if a.kind == "bwd":
-            break
-        if 0 < a.block and a.block not in free_after[k]:
-            out.append(a.block)
-    return tuple(out)
 
 
 # ---------------------------------------------------------------------------- slot sizes
@@ -385,7 +372,7 @@ def solve_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int = 
     """
     n = len(blocks)
     if n == 0:
-        return ChainPlan((), 0.0, 0, ())
+        return ChainPlan((), 0.0, 0)
     if any(not b.options for b in blocks):
         raise ValueError("chain DP: every block needs at least one option (its backward needs a kept set)")
     c = _slot_chain(blocks, budget_bytes, n_slots)
@@ -401,7 +388,7 @@ def solve_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int = 
     assert peak_bytes <= budget_bytes, f"chain DP: replayed peak {peak_bytes} B exceeds budget {budget_bytes} B"
     assert abs(time_ms - root[n_slots]) <= 1e-6 * max(1.0, time_ms), (
         f"chain DP: replayed time {time_ms} ms differs from the table's {root[n_slots]} ms")
-    return ChainPlan(tuple(actions), time_ms, peak_bytes, _first_pass_checkpoints(n, actions))
+    return ChainPlan(tuple(actions), time_ms, peak_bytes)
 
 
 # ---------------------------------------------------------------------------- least budget
@@ -431,7 +418,7 @@ def _min_peak_slots(c: _SlotChain, n: int) -> int:
     return int(max(p[0, n - 1], _always_made_slots(c)))
 
 
-def _fits(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -> bool:
+def _dp_fits(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -> bool:
     """Whether ``solve_chain(blocks, budget_bytes, n_slots)`` returns a plan, without building it."""
     return _min_peak_slots(_slot_chain(blocks, budget_bytes, n_slots), len(blocks)) <= n_slots
 
@@ -446,13 +433,13 @@ def min_feasible_budget(blocks: Sequence[ChainBlock], n_slots: int = 500) -> int
     if n == 0:
         return 0
     lower = _min_peak_slots(_slot_chain(blocks, 1, 1), n)  # slots of one byte: exact bytes
-    if _fits(blocks, lower, n_slots):
+    if _dp_fits(blocks, lower, n_slots):
         return lower
     step = max(1, lower // n_slots)
-    while not _fits(blocks, lower + step, n_slots):
+    while not _dp_fits(blocks, lower + step, n_slots):
         lower, step = lower + step, step * 2
     upper = lower + step  # fits; lower does not
     while upper - lower > 1:
         mid = (lower + upper) // 2
-        lower, upper = (lower, mid) if _fits(blocks, mid, n_slots) else (mid, upper)
+        lower, upper = (lower, mid) if _dp_fits(blocks, mid, n_slots) else (mid, upper)
     return upper

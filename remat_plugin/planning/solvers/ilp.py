@@ -36,7 +36,7 @@ NOTE [ILP memory is an upper bound]
     free out but never invent one.  So the ILP's memory is at least the simulated one,
     and equals it when S is minimal (which an optimum can always choose).  Keeping a
     copy and recomputing it in the same stage is counted twice: wasteful, but safe.
-    The solver's claim is still never trusted: :meth:`_BlockIlp.solve` re-simulates.
+    The solver's claim is still never trusted: :meth:`BlockIlp.solve` re-simulates.
 
 Pruning: ``R[t,j]`` exists only for ops whose outputs can reach a backward op ≥ t;
 ``S[t,v]`` only for values some op at stage ≥ t may read; missing ones are 0.  Forward
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import pulp
 
 from remat_plugin.ir.problem import Problem, Schedule
-from remat_plugin.ir.simulate import InvalidScheduleError, Simulation, simulate
+from remat_plugin.ir.simulate import Simulation, simulate, simulate_within
 from remat_plugin.planning.solvers import pulp_backend
 from remat_plugin.planning.solvers.greedy import UnrecomputableValueError, fill_missing, must_keep, recompute_on_demand
 
@@ -76,7 +76,7 @@ class BlockOption:
 Solution = dict[str, float]  # variable name -> value of an accepted integer solution
 
 
-class _BlockIlp:
+class BlockIlp:
     """The PuLP model of one problem, built once; budgets change only two right-hand sides."""
 
     def __init__(self, problem: Problem, solver: str) -> None:
@@ -92,7 +92,7 @@ class _BlockIlp:
 
     # ----------------------------------------------------------------- build
     @classmethod
-    def build(cls, problem: Problem, solver: str | None = None) -> _BlockIlp:
+    def build(cls, problem: Problem, solver: str | None = None) -> BlockIlp:
         ilp = cls(problem, solver or pulp_backend.default_solver_name())
         ilp._index()
         ilp._add_variables()
@@ -305,8 +305,12 @@ class _BlockIlp:
         time_limit_s: float,
         warm: Solution | None = None,
         objective: str = "recompute",
+        gap_rel: float = pulp_backend.DEFAULT_GAP_REL,
     ) -> tuple[Schedule, Solution] | None:
-        """A simulator-checked schedule within the budgets (ILP, else rounded LP relaxation), or None."""
+        """A simulator-checked schedule within the budgets (ILP, else rounded LP relaxation), or None.
+
+        ``gap_rel``: the MILP relative gap accepted as optimal (0 asks for a proof of optimality).
+        """
         self.set_budgets(peak_budget_bytes, kept_budget_bytes)
         self.prob.setObjective(
             {"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective]
@@ -314,9 +318,9 @@ class _BlockIlp:
         if warm is not None:
             for var in self.prob.variables():
                 var.varValue = warm.get(var.name, 0.0)
-        if pulp_backend.solve(self.prob, self.solver, time_limit_s, warm_start=warm is not None):
+        if pulp_backend.solve(self.prob, self.solver, time_limit_s, warm_start=warm is not None, gap_rel=gap_rel):
             schedule = self.schedule_from_values()
-            if _fits(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:
+            if simulate_within(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:
                 return schedule, {v.name: round(v.varValue or 0.0) for v in self.prob.variables()}
             logger.warning(
                 "remat_plugin.solve: ILP solution failed the simulator check (peak budget %d B)", peak_budget_bytes
@@ -349,26 +353,12 @@ class _BlockIlp:
         fitting = [
             (sim.recompute_ms, s)
             for s in candidates
-            if (sim := _fits(self.problem, s, peak_budget_bytes, kept_budget_bytes))
+            if (sim := simulate_within(self.problem, s, peak_budget_bytes, kept_budget_bytes))
         ]
         if not fitting:
             return None
         logger.info("remat_plugin.solve: using a rounded LP relaxation (no integer solution in %.1f s)", time_limit_s)
         return min(fitting, key=lambda x: x[0])[1], {}
-
-
-def _fits(
-    problem: Problem, schedule: Schedule, peak_budget_bytes: int, kept_budget_bytes: int | None
-) -> Simulation | None:
-    """The simulation of ``schedule`` if it is valid and within both budgets, else None."""
-    try:
-        sim = simulate(problem, schedule)
-    except InvalidScheduleError as err:
-        logger.debug("remat_plugin.solve: rejected schedule: %s", err)
-        return None
-    if sim.peak_bytes > peak_budget_bytes or (kept_budget_bytes is not None and sim.kept_bytes > kept_budget_bytes):
-        return None
-    return sim
 
 
 def solve_schedule(
@@ -386,9 +376,9 @@ def solve_schedule(
     ``solver`` is ``"highs"`` or ``"cbc"``; by default HiGHS when installed.
     """
     keep_all = Schedule.keep_all(problem)
-    if _fits(problem, keep_all, peak_budget_bytes, kept_budget_bytes) is not None:
+    if simulate_within(problem, keep_all, peak_budget_bytes, kept_budget_bytes) is not None:
         return keep_all  # no recomputation: optimal
-    found = _BlockIlp.build(problem, solver).solve(peak_budget_bytes, kept_budget_bytes, time_limit_s)
+    found = BlockIlp.build(problem, solver).solve(peak_budget_bytes, kept_budget_bytes, time_limit_s)
     return None if found is None else found[0]
 
 
@@ -462,7 +452,7 @@ def block_menu(
     """
     keep_all = Schedule.keep_all(problem)
     sim_all = simulate(problem, keep_all)
-    ilp = _BlockIlp.build(problem, solver)
+    ilp = BlockIlp.build(problem, solver)
     big = sim_all.peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1  # no budget
     found = [_Found(keep_all, sim_all, (big, big), {})]  # keep-all is optimal wherever it fits
     for objective in ("kept", "peak"):  # the grid's low ends, then the least recompute there

@@ -23,7 +23,7 @@ import pulp
 logger = logging.getLogger(__name__)
 
 THREADS = 1  # the same everywhere: see NOTE [HiGHS pitfalls]
-GAP_REL = 0.01  # accept solutions proved within 1 % of optimal
+DEFAULT_GAP_REL = 0.01  # accept solutions proved within 1 % of optimal
 SOLVER_NAMES = ("highs", "cbc")
 _USABLE = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 
@@ -66,8 +66,9 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc,valid-type]
         super().callSolver(lp)
 
 
-def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False) -> pulp.LpSolver:
-    """A configured PuLP solver; ``name`` is one of :data:`SOLVER_NAMES`."""
+def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False,
+                gap_rel: float = DEFAULT_GAP_REL) -> pulp.LpSolver:
+    """A configured PuLP solver; ``name`` is one of :data:`SOLVER_NAMES`; ``gap_rel`` 0 asks for a proof of optimality."""
     if name == "highs":
         if not pulp.HiGHS().available():
             raise SolverUnavailableError(
@@ -77,7 +78,7 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
             warm_start=warm_start and mip,
             mip=mip,
             msg=False,
-            gapRel=GAP_REL,
+            gapRel=gap_rel,
             threads=THREADS,
             timeLimit=time_limit_s,
         )
@@ -85,7 +86,7 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
         return pulp.PULP_CBC_CMD(
             mip=mip,
             msg=False,
-            gapRel=GAP_REL,
+            gapRel=gap_rel,
             threads=THREADS,
             timeLimit=time_limit_s,
             warmStart=warm_start and mip,
@@ -93,10 +94,11 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
     raise ValueError(f"remat_plugin.solve: unknown solver {name!r}; use one of {SOLVER_NAMES}")
 
 
-def solve(prob: pulp.LpProblem, name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False) -> bool:
+def solve(prob: pulp.LpProblem, name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False,
+          gap_rel: float = DEFAULT_GAP_REL) -> bool:
     """Run the solver on ``prob``; True iff it left an optimal or integer-feasible solution in the variables."""
     try:
-        prob.solve(make_solver(name, time_limit_s, mip=mip, warm_start=warm_start))
+        prob.solve(make_solver(name, time_limit_s, mip=mip, warm_start=warm_start, gap_rel=gap_rel))
     except pulp.PulpSolverError as err:
         logger.warning("remat_plugin.solve: %s failed on %s: %s", name, prob.name, err)
         return False

@@ -1,4 +1,4 @@
-"""Putting a session's dispatcher in place of a module's forward, and taking it out again, exactly."""
+"""Readying a model for a remat plan: HF cache and HF checkpointing off, ``CheckpointWrapper`` modules found."""
 from __future__ import annotations
 
 import logging
@@ -8,9 +8,6 @@ from typing import Any
 from torch import nn
 
 log = logging.getLogger(__name__)
-
-_MISSING = object()
-
 
 def _hf_checkpointing(m: nn.Module) -> bool:
     for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5 renamed it
@@ -47,21 +44,6 @@ def disable_hf_cache(target: nn.Module) -> list[str]:
             config.use_cache = False
             changed.append(type(m).__name__)
     return changed
-
-
-class ForwardSwap:
-    """Replaces ``module.forward`` with ``make(original_forward)``; :meth:`restore` puts back what was there."""
-
-    def __init__(self, module: nn.Module, make: Callable[[Callable], Callable]):
-        self.module = module
-        self._previous = module.__dict__.get("forward", _MISSING)
-        module.forward = make(module.forward)  # type: ignore[method-assign]
-
-    def restore(self) -> None:
-        if self._previous is _MISSING:
-            self.module.__dict__.pop("forward", None)
-        else:
-            self.module.forward = self._previous  # type: ignore[method-assign]
 
 
 def settle_checkpointing(target: nn.Module, prefix: str, info: Callable[[str], Any],

@@ -11,11 +11,30 @@ import argparse
 import logging
 
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from remat_plugin import rematerialize
-from remat_plugin.bench.models import gpt2_tiny
 from remat_plugin.capture.memory_meter import measure_peak
 from remat_plugin.errors import human_bytes
+
+VOCAB, BATCH_SIZE, SEQ_LEN = 1000, 8, 256
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """GPT-2 with random weights (seed 0): 4 blocks, 256 wide, 4 heads, a 1000-token vocabulary, dropout 0.1."""
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=SEQ_LEN, vocab_size=VOCAB, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1, use_cache=False, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    with torch.random.fork_rng(devices=[]):  # seeded weights; the global RNG (dropout) is left as it was
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config).train()
+    model.loss_type = "ForCausalLM"  # HF's default, named so it does not warn that none was set
+    return model
+
+
+def make_batch(seed: int) -> tuple[tuple, dict]:
+    """Random tokens as inputs and labels (the model shifts them): ``model(*args, **kwargs).loss``."""
+    input_ids = torch.randint(0, VOCAB, (BATCH_SIZE, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
+    return (), {"input_ids": input_ids, "labels": input_ids}
 
 
 def train_step(model, batch, optimizer) -> float:
@@ -34,9 +53,8 @@ def main() -> None:
     opts = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    bench = gpt2_tiny(n_layer=4, batch_size=8, seq_len=256)
-    model = bench.module
-    batch = bench.make_batch(0)
+    model = tiny_gpt2()
+    batch = make_batch(0)
 
     def unmodified_step():
         args, kwargs = batch
@@ -52,7 +70,7 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(opts.steps):
-        batch = bench.make_batch(step)
+        batch = make_batch(step)
         loss, peak = measure_peak(lambda: train_step(rm, batch, optimizer))
         print(f"step {step}: loss {loss:.4f}  measured peak {human_bytes(peak)}"
               f"  (predicted {human_bytes(rm.plan.predicted_peak_bytes)}, budget {human_bytes(budget)})")

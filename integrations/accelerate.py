@@ -18,8 +18,9 @@ place and removing it gives exactly that back.  Planning captures the module wit
 
 Options come from arguments, a :class:`RematPlugin`, or the environment (``REMAT_BUDGET``,
 ``REMAT_SEQ_BUCKET``, ``REMAT_CACHE_DIR``, ``REMAT_ILP_TIME_LIMIT_S``, ``REMAT_AUTO_BATCH_SIZE``,
-``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``), in that order.  With no budget anywhere,
-:func:`prepare` is plain ``accelerator.prepare(model)``.
+``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``: :data:`~remat_plugin.runtime.config.ENV_VARIABLES`),
+in that order, into one :class:`~remat_plugin.runtime.config.RematConfig`, which checks them.  With no
+budget anywhere, :func:`prepare` is plain ``accelerator.prepare(model)``.
 
 Auto batch size: :func:`prepare` still returns only the model; with ``auto_batch_size`` on (an
 argument, the plugin, or ``REMAT_AUTO_BATCH_SIZE=1``), :func:`choose_batch_size` plans the
@@ -39,14 +40,12 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module
@@ -54,12 +53,13 @@ from accelerate.utils import DistributedType, DynamoBackend, extract_model_from_
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
-from remat_plugin.batch_size.search import OBJECTIVES, BatchSizeChoice
+from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
-from remat_plugin.errors import RematError
+from remat_plugin.errors import OptionError, RematError
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
-from remat_plugin.runtime.config import ENV_PREFIX, ConfigError, RematConfig
+from remat_plugin.runtime.config import ENV_VARIABLES, ConfigError, RematConfig, env_texts
+from remat_plugin.runtime.dist import is_rank_zero
 from remat_plugin.runtime.optimizer_state import unwrap
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import describe
@@ -68,31 +68,29 @@ log = logging.getLogger(__name__)
 
 # Accelerate set-ups whose module we cannot (yet) rewrite: they shard or compile the model themselves.
 _UNSUPPORTED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
-
-
-def _rank_zero() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+_BUDGET_ENV = ENV_VARIABLES["budget"]
 
 
 @dataclass
 class RematPlugin:
-    """Remat options for :func:`prepare`; a field left ``None`` is read from ``REMAT_<FIELD>``.
+    """Remat options for :func:`prepare`: :class:`RematConfig`'s, where ``None`` means unset.
 
-    Like Accelerate's own plugins, it reads the environment in ``__post_init__``, so the launch
-    flag (``REMAT_BUDGET=80% accelerate launch``) reaches a script that never names a budget.
-    A budget that is still ``None`` leaves the plugin off.
+    Like Accelerate's own plugins, it reads the environment in ``__post_init__``: a field left
+    ``None`` is filled from its variable (:data:`~remat_plugin.runtime.config.ENV_VARIABLES`), so
+    the launch flag (``REMAT_BUDGET=80% accelerate launch``) reaches a script that never names a
+    budget.  A budget that is still ``None`` leaves the plugin off.  What each option means and
+    which values it takes is :class:`RematConfig`'s, which checks them all here.
     """
 
-    # The most one training step may add to allocated memory: bytes, "12GiB", or "80%" of free memory. None: off.
+    # The most one training step may add to allocated memory; None: off (not RematConfig's 80%).
     budget: int | str | None = None
-    # How sequence lengths round up into plan buckets: "pow2", a multiple (64), or "exact" (no rounding).
+    # How sequence lengths round up into plan buckets; "exact" for no rounding (None here means unset).
     seq_bucket: int | str | None = None
     # Directory where plans are also kept, so a new run of the same model does not solve again.
     cache_dir: str | None = None
-    # Time cap of each block ILP solve, seconds: planning time against plan quality.
+    # Time cap of each block ILP solve, seconds.
     ilp_time_limit_s: float | None = None
-    # choose_batch_size picks the per-process batch size: True or "max" (the largest whose best plan fits the
-    # budget), "throughput" (the most predicted samples per second), False: off (the script's own size).
+    # What choose_batch_size does: True or "max", "throughput", or False (the script's own size).
     auto_batch_size: bool | str | None = None
     # The chosen batch size is a multiple of this (REMAT_BATCH_MULTIPLE_OF); None: 1.
     multiple_of: int | None = None
@@ -100,13 +98,14 @@ class RematPlugin:
     max_val: int | None = None
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) is None:
-                setattr(self, f.name, _from_env(f.name))
-        # bad explicit values fail here, at construction, not at the first batch
-        self.auto_batch_size = _auto_mode(self.auto_batch_size)
-        _check_batch_limits(self.multiple_of, self.max_val)
-        self._config()
+        explicit = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        try:  # every value is checked here, at construction, not at the first batch
+            config = RematConfig.from_env(**explicit)
+        except OptionError as exc:
+            raise _in_our_words(exc) from None
+        for name in explicit.keys() | env_texts().keys():  # the fields set, normalised; the others stay None
+            value = getattr(config, name)
+            setattr(self, name, "exact" if name == "seq_bucket" and value is None else value)
 
     @property
     def enabled(self) -> bool:
@@ -115,86 +114,23 @@ class RematPlugin:
     @property
     def auto_batch_mode(self) -> str | None:
         """The auto batch size objective ("max" or "throughput"), or None when it is off."""
-        return self.auto_batch_size or None  # type: ignore[return-value]
+        return str(self.auto_batch_size) if self.auto_batch_size else None
 
     def to_config(self) -> RematConfig:
-        """The session's options; needs a budget (an argument, this plugin's field, or ``REMAT_BUDGET``)."""
+        """The options, all of them; needs a budget (an argument, this plugin's field, or ``REMAT_BUDGET``)."""
         if self.budget is None:
-            raise ConfigError(f"remat_plugin.accelerate: no budget: pass budget=... or set {ENV_PREFIX}BUDGET")
-        return self._config()
-
-    def _config(self) -> RematConfig:
-        """The ``RematConfig`` of the set fields it has; the auto batch size fields are the plugin's own."""
-        names = {f.name for f in dataclasses.fields(RematConfig)}
-        values = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-        if values.get("seq_bucket") == "exact":
-            values["seq_bucket"] = None
-        return RematConfig.from_dict(values)
+            raise ConfigError(option="budget", stage="remat_plugin.accelerate",
+                              reason=f"no budget: pass budget=... or set {_BUDGET_ENV}")
+        return RematConfig.from_dict({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                      if getattr(self, f.name) is not None})
 
 
-# The plugin's own options: their variables, and what their values may be.
-_BATCH_ENV = {"auto_batch_size": "AUTO_BATCH_SIZE", "multiple_of": "BATCH_MULTIPLE_OF", "max_val": "MAX_BATCH_SIZE"}
-_AUTO_ON = ("1", "true", "yes", "max")
-_AUTO_OFF = ("0", "false", "no")
-
-
-def _auto_mode(value: Any) -> str | bool | None:
-    """``auto_batch_size`` as "max", "throughput", False (off) or None (unset)."""
-    if value is None or value is False or value in OBJECTIVES:
-        return value  # type: ignore[no-any-return]
-    if value is True:
-        return "max"
-    raise ConfigError(f"remat_plugin.accelerate: auto_batch_size {value!r} is not True, False, 'max' or 'throughput'")
-
-
-def _check_batch_limits(multiple_of: Any, max_val: Any) -> None:
-    def positive_int(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
-
-    if multiple_of is not None and not positive_int(multiple_of):
-        raise ConfigError(f"remat_plugin.accelerate: multiple_of {multiple_of!r} ({ENV_PREFIX}BATCH_MULTIPLE_OF) must "
-                          "be a positive integer")
-    if max_val is not None and not (positive_int(max_val) and max_val >= (multiple_of or 1)):
-        raise ConfigError(f"remat_plugin.accelerate: max_val {max_val!r} ({ENV_PREFIX}MAX_BATCH_SIZE) must be an "
-                          f"integer >= multiple_of ({multiple_of or 1})")
-
-
-def _batch_option_from_env(name: str, var: str, text: str) -> Any:
-    low = text.strip().lower()
-    if name == "auto_batch_size":
-        if low in _AUTO_ON:
-            return "max"
-        if low == "throughput":
-            return "throughput"
-        if low in _AUTO_OFF:
-            return False
-        raise ConfigError(f"remat_plugin.accelerate: {var}={text!r} is invalid: the accepted values are 1, true, "
-                          "yes or max (the largest batch size whose plan fits the budget), throughput (the most "
-                          "predicted samples per second), and 0, false, no or empty (off). Fix "
-                          f"{var}, or unset it to keep the script's batch size.")
-    if low.isdigit() and int(low) >= 1:
-        return int(low)
-    default = "1" if name == "multiple_of" else "no limit"
-    raise ConfigError(f"remat_plugin.accelerate: {var}={text!r} is invalid: it must be a positive integer. Fix "
-                      f"{var}, or unset it for the default ({default}).")
-
-
-def _from_env(name: str) -> Any:
-    """The option ``name`` from ``REMAT_<NAME>``, read as ``RematConfig.from_env`` reads it; errors name the variable."""
-    var = ENV_PREFIX + _BATCH_ENV.get(name, name.upper())
-    text = os.environ.get(var)
-    if text is None or not text.strip():
-        return None
-    if name in _BATCH_ENV:
-        return _batch_option_from_env(name, var, text)
-    try:
-        value = getattr(RematConfig.from_env({var: text}), name)
-    except RematError as exc:
-        detail = str(exc).replace("remat_plugin: ", "").replace(f"{var}={text!r}: ", "")
-        unset = "to train without remat" if name == "budget" else "for the default"
-        raise type(exc)(f"remat_plugin.accelerate: {var}={text!r} is invalid: {detail}. Fix {var}, or unset it "
-                        f"{unset}.") from None
-    return "exact" if name == "seq_bucket" and value is None else value
+def _in_our_words(exc: OptionError) -> OptionError:
+    """A config error as this integration says it: an unset ``REMAT_BUDGET`` turns remat off here, not 80%."""
+    if exc.variable == _BUDGET_ENV:
+        return exc.restated(stage="remat_plugin.accelerate",
+                            fix=f"Fix {exc.variable}, or unset it to train without remat.")
+    return exc.restated(stage="remat_plugin.accelerate")
 
 
 class RematHook(ModelHook):
@@ -205,26 +141,36 @@ class RematHook(ModelHook):
     in ``module._old_forward``, where it sees the arguments after every hook's ``pre_forward``.
 
     Args:
-        config: budget and planning options.
+        config: every option, auto batch size included (what :func:`choose_batch_size` does).
         optimizers: returns the optimizers of the module's parameters, called when a plan is
             made: state they have not created yet is taken out of the budget.
-        auto_batch_size: what :func:`choose_batch_size` does: "max" (or True), "throughput", or
-            None/False (off: it returns the script's batch size).
-        multiple_of, max_val: the chosen batch size is a multiple of ``multiple_of``, at most ``max_val``.
+        auto_batch_size, multiple_of, max_val: kept for older callers; when given (not None) they
+            replace the config's, and :class:`RematConfig` checks them.
     """
 
     def __init__(self, config: RematConfig | None = None, *, optimizers: Callable[[], Iterable] = tuple,
-                 auto_batch_size: bool | str | None = None, multiple_of: int = 1, max_val: int | None = None):
-        self.config = config or RematConfig()
+                 auto_batch_size: bool | str | None = None, multiple_of: int | None = None, max_val: int | None = None):
+        given: dict[str, Any] = {"auto_batch_size": auto_batch_size, "multiple_of": multiple_of, "max_val": max_val}
+        self.config = dataclasses.replace(config or RematConfig(), **{k: v for k, v in given.items() if v is not None})
         self.optimizers = optimizers
-        self.auto_batch_size: str | None = _auto_mode(auto_batch_size) or None  # type: ignore[assignment]
-        _check_batch_limits(multiple_of, max_val)
-        self.multiple_of, self.max_val = multiple_of, max_val
         self.batch_size_choice: BatchSizeChoice | None = None  # set by choose_batch_size
         self.session: RematSession | None = None
         self._real_forward: Callable | None = None
         self._dispatch: Callable | None = None
         self._stored_state: dict[str, Any] | None = None
+
+    @property
+    def auto_batch_size(self) -> str | None:
+        """What :func:`choose_batch_size` does: "max", "throughput", or None (off: the script's batch size)."""
+        return str(self.config.auto_batch_size) if self.config.auto_batch_size else None
+
+    @property
+    def multiple_of(self) -> int:
+        return self.config.multiple_of
+
+    @property
+    def max_val(self) -> int | None:
+        return self.config.max_val
 
     @property
     def attached(self) -> bool:
@@ -256,7 +202,7 @@ class RematHook(ModelHook):
         return module
 
     def _announce(self, plan: Plan) -> None:
-        if _rank_zero():
+        if is_rank_zero():
             log.info("remat_plugin.accelerate: new plan for inputs %s\n%s", describe(plan.signature), plan.table())
 
     # --- checkpoints: what register_for_checkpointing and the save/load pre-hooks call ------------
@@ -293,20 +239,16 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     still to be created is taken out of the budget when the plan is made.  It returns only the
     model, with auto batch size too: :func:`choose_batch_size` gives the size.
     """
-    known = {f.name for f in dataclasses.fields(RematPlugin)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ConfigError(f"remat_plugin.accelerate: unknown option(s) {', '.join(map(repr, unknown))}; "
-                          f"the options are {', '.join(sorted(known))}")
+    RematConfig.check_names(options, stage="remat_plugin.accelerate")
     explicit = {k: v for k, v in {"budget": budget, **options}.items() if v is not None}
     # Explicit values go in before the environment is read, so a bad REMAT_* they override is never looked at.
     plugin = dataclasses.replace(plugin, **explicit) if plugin is not None else RematPlugin(**explicit)
     if not plugin.enabled:
-        if _rank_zero():
-            log.info("remat_plugin.accelerate: no budget (budget=... or %sBUDGET); training without remat", ENV_PREFIX)
+        if is_rank_zero():
+            log.info("remat_plugin.accelerate: no budget (budget=... or %s); training without remat", _BUDGET_ENV)
             if plugin.auto_batch_mode:
-                log.warning("remat_plugin.accelerate: auto_batch_size needs a budget (budget=... or %sBUDGET); "
-                            "choose_batch_size will return the script's batch size", ENV_PREFIX)
+                log.warning("remat_plugin.accelerate: auto_batch_size needs a budget (budget=... or %s); "
+                            "choose_batch_size will return the script's batch size", _BUDGET_ENV)
         return accelerator.prepare(model)
     config = plugin.to_config()
     _check_supported(accelerator)
@@ -319,12 +261,10 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
 
     prepared = accelerator.prepare(model)
     target = extract_model_from_parallel(prepared, keep_torch_compile=False)
-    hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target),
-                     auto_batch_size=plugin.auto_batch_mode, multiple_of=plugin.multiple_of or 1,
-                     max_val=plugin.max_val)
+    hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target))
     add_hook_to_module(target, hook, append=True)
     _keep_plans_in_checkpoints(accelerator, target, hook)
-    if _rank_zero():
+    if is_rank_zero():
         log.info("remat_plugin.accelerate: rewriting %s (%s parameters), budget %s", type(target).__name__,
                  f"{sum(p.numel() for p in target.parameters()):,}", config.budget)
     return prepared
@@ -334,26 +274,26 @@ def _check_supported(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type
     if kind in _UNSUPPORTED:
         raise RematError(f"remat_plugin.accelerate: distributed_type {kind.value} is not supported; the plan runs "
-                         f"in one process or under DDP (MULTI_GPU, MULTI_CPU, ...). Unset {ENV_PREFIX}BUDGET or "
+                         f"in one process or under DDP (MULTI_GPU, MULTI_CPU, ...). Unset {_BUDGET_ENV} or "
                          "drop budget= to train without remat.")
     if accelerator.mixed_precision != "no":
         raise RematError(f"remat_plugin.accelerate: mixed_precision {accelerator.mixed_precision!r} is not supported "
                          "yet: under autocast the planned step's gradients are not bit-equal to those of the "
-                         f"unmodified model. Use mixed_precision='no', or unset {ENV_PREFIX}BUDGET.")
+                         f"unmodified model. Use mixed_precision='no', or unset {_BUDGET_ENV}.")
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         raise RematError("remat_plugin.accelerate: the Accelerator compiles the model (dynamo_backend "
                          f"{accelerator.state.dynamo_plugin.backend.value}); remat_plugin runs its own planned "
-                         f"programs. Use dynamo_backend='no', or unset {ENV_PREFIX}BUDGET.")
+                         f"programs. Use dynamo_backend='no', or unset {_BUDGET_ENV}.")
 
 
 def _avoid_double_checkpointing(model: nn.Module) -> bool:
     """Our plan replaces HF gradient checkpointing; ``CheckpointWrapper`` modules, which we cannot undo, turn us off."""
     def tell(level: int) -> Callable[[str], None]:
-        return lambda message: log.log(level, "%s", message) if _rank_zero() else None
+        return lambda message: log.log(level, "%s", message) if is_rank_zero() else None
 
     wrapped = settle_checkpointing(model, "remat_plugin.accelerate", tell(logging.INFO), tell(logging.WARNING))
     if wrapped:
-        if _rank_zero():
+        if is_rank_zero():
             log.warning("remat_plugin.accelerate: the model already uses CheckpointWrapper modules (%s); remat stays "
                         "off to avoid checkpointing twice. Remove them to let remat_plugin plan instead.",
                         ", ".join(wrapped[:3]))
@@ -442,8 +382,7 @@ def choose_batch_size(accelerator: Accelerator, model: nn.Module, example_inputs
     with _training_mode(target), torch.enable_grad():
         # The module's arguments after every other hook's pre_forward: what the session will see.
         args, kwargs = session.record_call(lambda: target(*args, **kwargs))
-        choice = tune_batch_size(session, args, kwargs, objective=hook.auto_batch_size,
-                                 multiple_of=hook.multiple_of, max_val=hook.max_val)
+        choice = tune_batch_size(session, args, kwargs)  # the options of the session's config: hook.config
     hook.batch_size_choice = choice
     if accelerator.is_main_process:
         log.info("remat_plugin.accelerate: %s", choice.summary())

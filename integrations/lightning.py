@@ -21,7 +21,7 @@ from torch import nn
 
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
-from remat_plugin.errors import RematError, human_bytes
+from remat_plugin.errors import OptionError, RematError, human_bytes
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.config import RematConfig
@@ -89,15 +89,14 @@ class AutoRemat(pl.Callback):
     def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
                  cache_dir: str | None = None, ilp_time_limit_s: float = 0.5, auto_batch_size: bool | str = False,
                  batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None):
-        self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
-                                  ilp_time_limit_s=ilp_time_limit_s)  # validates now, not at the first batch
+        try:  # every option is checked now, not at the first batch
+            self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
+                                      ilp_time_limit_s=ilp_time_limit_s, auto_batch_size=auto_batch_size,
+                                      multiple_of=multiple_of, max_val=max_val)
+        except OptionError as exc:
+            raise exc.restated(stage="AutoRemat") from None
         self.module_name = module
-        if auto_batch_size not in (False, True, "max", "throughput"):
-            raise RematError(f"AutoRemat: auto_batch_size {auto_batch_size!r} is not True, 'max' or 'throughput'")
-        if multiple_of < 1 or (max_val is not None and max_val < multiple_of):
-            raise RematError(f"AutoRemat: need 1 <= multiple_of ({multiple_of}) <= max_val ({max_val})")
-        self.auto_batch_size = "max" if auto_batch_size is True else auto_batch_size
-        self.batch_arg_name, self.multiple_of, self.max_val = batch_arg_name, multiple_of, max_val
+        self.batch_arg_name = batch_arg_name
         self.batch_size_choice: BatchSizeChoice | None = None
         self.session: RematSession | None = None
         self.enabled = True
@@ -123,7 +122,7 @@ class AutoRemat(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._swap is None and self.enabled:
             self._install(trainer, pl_module)
-        if self.auto_batch_size and self.session is not None and self.batch_size_choice is None:
+        if self.config.auto_batch_size and self.session is not None and self.batch_size_choice is None:
             self._choose_batch_size(trainer, pl_module)
 
     def _choose_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -138,8 +137,7 @@ class AutoRemat(pl.Callback):
         batch = next(iter(trainer.train_dataloader))  # type: ignore[arg-type]
         batch = pl_module._apply_batch_transfer_handler(batch)
         args, kwargs = self.session.record_call(lambda: pl_module.training_step(batch, 0))
-        choice = tune_batch_size(self.session, args, kwargs, objective=str(self.auto_batch_size),
-                                 multiple_of=self.multiple_of, max_val=self.max_val)
+        choice = tune_batch_size(self.session, args, kwargs)  # the options of self.config, the session's
         lightning_setattr(pl_module, self.batch_arg_name, choice.batch_size)
         loop._combined_loader = None  # fit rebuilds the training dataloader with the new size
         self.batch_size_choice = choice

@@ -1,6 +1,8 @@
 """Errors a user can cause; each says which stage, the numbers, and the fix."""
 from __future__ import annotations
 
+from typing import Any
+
 
 def human_bytes(n: float) -> str:
     """``1536`` → ``'1.50 KiB'``."""
@@ -15,7 +17,48 @@ class RematError(RuntimeError):
     """Base class of remat_plugin's user-facing errors."""
 
 
-class BudgetFormatError(RematError, ValueError):
+class OptionError(RematError, ValueError):
+    """An option value we cannot use, kept as fields so each caller names it its own way.
+
+    An argument, a ``REMAT_*`` variable and a ``remat launch`` flag are the same value said three ways:
+    the caller restates the error (:meth:`restated`) or builds its own line from :attr:`detail`, and
+    never edits the message text.  ``OptionError("whole message")`` still works where no field fits.
+
+    Fields: ``stage`` (who is reading the option), ``option`` (its name), ``value`` (as given: the
+    variable's text when ``variable`` is set), ``reason`` (what is wrong, naming option and value),
+    ``accepted`` (what to give instead), ``variable`` (the ``REMAT_*`` variable the value came from,
+    or None), ``fix`` (a closing sentence: how to get past it).
+    """
+
+    def __init__(self, message: str | None = None, *, option: str | None = None, value: Any = None,
+                 reason: str = "", accepted: str | None = None, variable: str | None = None, fix: str | None = None,
+                 stage: str = "remat_plugin"):
+        self.option, self.value, self.reason, self.accepted = option, value, reason, accepted
+        self.variable, self.fix, self.stage = variable, fix, stage
+        self._whole = message
+        super().__init__(message if message is not None else self._compose())
+
+    @property
+    def detail(self) -> str:
+        """What is wrong and what to give instead, without the stage, the variable or the fix."""
+        if self._whole is not None:
+            return self._whole
+        give = f"give {self.accepted}" if self.accepted else ""
+        return "; ".join(part for part in (self.reason, give) if part)
+
+    def _compose(self) -> str:
+        source = f"{self.variable}={self.value!r} is invalid: " if self.variable else ""
+        fix = f". {self.fix}" if self.fix else ""
+        return f"{self.stage}: {source}{self.detail}{fix}"
+
+    def restated(self, **changes: Any) -> OptionError:
+        """The same error (same type) with some fields changed: the variable the value came from, the caller's stage."""
+        fields = {"option": self.option, "value": self.value, "reason": self.reason, "accepted": self.accepted,
+                  "variable": self.variable, "fix": self.fix, "stage": self.stage, "message": self._whole}
+        return type(self)(**{**fields, **changes})
+
+
+class BudgetFormatError(OptionError):
     """A budget string or number that cannot be read."""
 
 

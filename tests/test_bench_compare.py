@@ -1,4 +1,4 @@
-"""The compare command (issue 7): a reduced run end to end, and the pieces it is built from."""
+"""The compare command: a reduced run end to end, and the pieces it is built from."""
 
 import json
 import subprocess

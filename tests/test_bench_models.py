@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from remat_plugin.bench.models import MODELS, BenchModel, build
-from remat_plugin.bench.peers import PEERS, drop_cheap, none, per_layer_checkpoint, sqrt_n, sqrt_n_segments
+from remat_plugin.bench.peers import EAGER_PEERS, drop_cheap, none, per_layer_checkpoint, sqrt_n, sqrt_n_segments
 from remat_plugin.capture.memory_meter import measure_peak
 
 pytest.importorskip("transformers")
 
 MODEL_NAMES = sorted(MODELS)
-CHECKPOINTING_PEERS = [name for name in PEERS if name != "none"]
+CHECKPOINTING_PEERS = [name for name in EAGER_PEERS if name != "none"]
 # Gradient equality depends on structure, not size: a shorter GPT-2 batch keeps float64 runs quick.
 SMALL = {"gpt2-tiny": {"batch_size": 2, "seq_len": 64}, "bert-tiny": {"batch_size": 2, "seq_len": 64}}
 
@@ -91,7 +91,7 @@ def test_peer_gradients_equal_none(name, peer_name):
     """In float64 with dropout active, a checkpointing peer's loss and gradients equal the plain model's bitwise."""
     bench = build(name, dtype=torch.float64, **SMALL.get(name, {}))
     loss_ref, grads_ref = _grads(bench, none)
-    loss, grads = _grads(bench, PEERS[peer_name])
+    loss, grads = _grads(bench, EAGER_PEERS[peer_name])
     assert torch.equal(loss, loss_ref)
     for grad, grad_ref in zip(grads, grads_ref):
         assert torch.equal(grad, grad_ref)
@@ -124,7 +124,7 @@ def test_peer_restores_model(name, peer_name):
     """Leaving a peer, even by an exception, restores the layers' forward and the checkpointing switch."""
     bench = build(name)
     params_before = list(bench.module.parameters())
-    with pytest.raises(ValueError, match="boom"), PEERS[peer_name](bench):
+    with pytest.raises(ValueError, match="boom"), EAGER_PEERS[peer_name](bench):
         raise ValueError("boom")
     assert all("forward" not in layer.__dict__ for layer in bench.layers)
     assert not any(getattr(m, "gradient_checkpointing", False) for m in bench.module.modules())

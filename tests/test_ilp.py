@@ -11,7 +11,7 @@ from remat_plugin.ir.problem import Op, Problem, Schedule, Value
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.solvers.greedy import UnrecomputableValueError, recompute_on_demand
 from remat_plugin.planning.solvers.ilp import BlockOption, block_menu, solve_schedule
-from remat_plugin.solve import pulp_backend
+from remat_plugin.planning.solvers import pulp_backend
 
 
 def _problem(

@@ -136,6 +136,34 @@ def test_config_rejects_unknown_keys_and_reads_the_environment():
         RematConfig(seq_bucket="fibonacci")
 
 
+def test_config_reads_every_option_from_its_variable_and_errors_carry_fields():
+    """Each option has one REMAT_* variable (the batch size limits under their own names), read once, blank as unset;
+    an argument wins without its variable being read; an error names option, variable, text and the fix."""
+    import dataclasses
+
+    from remat_plugin.runtime.config import ENV_VARIABLES
+
+    assert set(ENV_VARIABLES) == {f.name for f in dataclasses.fields(RematConfig)}
+    config = RematConfig.from_env({"REMAT_AUTO_BATCH_SIZE": "TRUE", "REMAT_BATCH_MULTIPLE_OF": "8",
+                                   "REMAT_MAX_BATCH_SIZE": "64", "REMAT_SEQ_BUCKET": "exact", "REMAT_BUDGET": " "})
+    assert (config.auto_batch_size, config.multiple_of, config.max_val) == ("max", 8, 64)
+    assert (config.seq_bucket, config.budget) == (None, "80%")
+    assert RematConfig.from_env({"REMAT_AUTO_BATCH_SIZE": "throughput"}).auto_batch_size == "throughput"
+    assert RematConfig.from_env({"REMAT_AUTO_BATCH_SIZE": "no"}).auto_batch_size is False
+    assert RematConfig(auto_batch_size=True).auto_batch_size == "max"
+    assert RematConfig.from_env({"REMAT_ILP_TIME_LIMIT_S": "soon"}, ilp_time_limit_s=0.3).ilp_time_limit_s == 0.3
+    with pytest.raises(ConfigError, match=r"REMAT_BATCH_MULTIPLE_OF='0' is invalid.*unset it for the default \(1\)"
+                       ) as err:
+        RematConfig.from_env({"REMAT_BATCH_MULTIPLE_OF": "0"})
+    assert (err.value.option, err.value.variable, err.value.value) == ("multiple_of", "REMAT_BATCH_MULTIPLE_OF", "0")
+    with pytest.raises(BudgetFormatError) as budget_err:
+        RematConfig(budget="eighty")
+    assert (budget_err.value.option, budget_err.value.value, budget_err.value.variable) == ("budget", "eighty", None)
+    assert "'80%'" in budget_err.value.detail and "remat_plugin" not in budget_err.value.detail
+    with pytest.raises(ConfigError, match=r"max_val 4 \(REMAT_MAX_BATCH_SIZE\) must be an integer >= multiple_of"):
+        RematConfig(multiple_of=8, max_val=4)
+
+
 def test_remat_yaml_lists_every_option_with_its_default():
     """configs/remat.yaml is RematConfig's defaults, key for key."""
     import dataclasses

@@ -14,12 +14,12 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from remat_plugin.batch_size.search import BatchSizeChoice, batch_dim_size, choose_batch_size, scale_inputs
 from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import human_bytes
+from remat_plugin.runtime.dist import all_gather, broadcast_from_rank_zero, is_rank_zero
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import device_of
@@ -56,38 +56,27 @@ def measure_step(session: RematSession, args: tuple, kwargs: dict) -> int:
     return meter.peak_bytes
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSizeChoice:
+    """The batch size for the session's budget, verified by one real step per rank; the same on every rank.
 
-
-def tune_batch_size(session: RematSession, args: tuple, kwargs: dict, *, objective: str = "max",
-                    multiple_of: int = 1, max_val: int | None = None) -> BatchSizeChoice:
-    """The batch size for the session's budget, verified by one real step per rank; the same on every rank."""
-    rank, world = _world()
-    budget = session.training_budget(args, kwargs)
-    if world > 1:  # every rank must decide alike: the smallest budget of all ranks
-        budgets: list[Any] = [None] * world
-        dist.all_gather_object(budgets, budget)
-        budget = min(budgets)
+    The objective, ``multiple_of`` and ``max_val`` are those of ``session.config`` (the objective is
+    "max" when its ``auto_batch_size`` is off: a direct call asks for a size).
+    """
+    config = session.config
+    objective, multiple_of = str(config.auto_batch_size or "max"), config.multiple_of
+    # every rank must decide alike: the smallest budget of all ranks
+    budget = min(all_gather(session.training_budget(args, kwargs)))
     b1 = batch_dim_size(args, kwargs)
-    payload: list[Any] = [None]
-    if rank == 0:
+    searched: BatchSizeChoice | None = None
+    if is_rank_zero():
         with session.bypassed():  # the search captures the module itself
-            payload[0] = choose_batch_size(session.module, args, kwargs, budget, objective=objective,
-                                           multiple_of=multiple_of, max_val=max_val,
-                                           ilp_time_limit_s=session.config.ilp_time_limit_s)
-    if world > 1:
-        dist.broadcast_object_list(payload, src=0)
-    choice: BatchSizeChoice = payload[0]
+            searched = choose_batch_size(session.module, args, kwargs, budget, objective=objective,
+                                         multiple_of=multiple_of, max_val=config.max_val,
+                                         ilp_time_limit_s=config.ilp_time_limit_s)
+    choice: BatchSizeChoice = broadcast_from_rank_zero(searched)
     size, trials, peak = choice.batch_size, 0, 0
     while trials < 3:
-        peak = measure_step(session, *scale_inputs(args, kwargs, b1, size))
-        if world > 1:
-            peaks: list[Any] = [None] * world
-            dist.all_gather_object(peaks, peak)
-            peak = max(peaks)
+        peak = max(all_gather(measure_step(session, *scale_inputs(args, kwargs, b1, size))))
         trials += 1
         if peak <= budget or size <= multiple_of:
             break

@@ -174,8 +174,8 @@ def parse_compare_args(argv: list[str]) -> argparse.Namespace:
 
 
 METER_NOTES = {
-    "cpu": "allocator events of the profiler (memory.measure_peak_profiler) for every point, the only CPU meter"
-    " that sees compiled graphs; the dispatch-mode PeakMeter is shown for eager points as a cross-check.",
+    "cpu": "allocator events of the profiler (capture.memory_meter.measure_peak_profiler) for every point, the only"
+    " CPU meter that sees compiled graphs; the dispatch-mode PeakMeter is shown for eager points as a cross-check.",
     "cuda": "max_memory_allocated above the step's start (PeakMeter) for every point.",
 }
 

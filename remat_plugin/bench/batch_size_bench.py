@@ -25,11 +25,11 @@ import torch
 from lightning.pytorch.callbacks import BatchSizeFinder
 from torch.utils.data import DataLoader, Dataset
 
-from remat_plugin import rematerialize
 from remat_plugin.capture.memory_meter import PeakMeter, measure_peak
 from remat_plugin.errors import InfeasibleBudgetError, human_bytes
 from remat_plugin.integrations.lightning import AutoRemat
 from remat_plugin.runtime.budget import parse_budget
+from remat_plugin.runtime.module import rematerialize
 
 log = logging.getLogger(__name__)
 

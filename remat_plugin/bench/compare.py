@@ -1,6 +1,6 @@
 """``python -m remat_plugin.bench compare``: every peer and our plan on one memory–time frontier.
 
-For each model, in one process (issue 7):
+For each model, in one process:
 
 1. ``none``, the unmodified model, is measured first: its peak is the reference that shares and
    budget fractions are taken of, its parameter gradients the reference of the equality check.
@@ -22,7 +22,7 @@ ratio against ``none`` from interleaved step pairs (``bench/run.py``: a warm-up 
 
 NOTE [which meter]
 On CPU every point's ``measured_peak_bytes`` comes from the allocator events of the profiler
-(``memory.measure_peak_profiler``): it is the only CPU meter that sees inside torch.compile'd
+(``capture.memory_meter.measure_peak_profiler``): it is the only CPU meter that sees inside torch.compile'd
 graphs. The dispatch-mode ``PeakMeter`` does not: while a ``TorchDispatchMode`` is active dynamo
 runs the model eagerly, and (seen here, torch 2.13) the compiled module then stays eager for later
 calls too, so on gpt2-tiny at ratio 0.3 it reads the eager peak (365.6 MiB) where the profiler
@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from remat_plugin.bench.models import BenchModel, build
-from remat_plugin.bench.peers import compiled_memory_budget, drop_cheap, none, per_layer_checkpoint, sqrt_n
-from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, _time_ratios, plan_timed
-from remat_plugin.capture.memory_meter import PeakMeter, _StorageTracker, measure_peak_profiler
+from remat_plugin.bench.peers import EAGER_PEERS, compiled_memory_budget
+from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, plan_timed, time_ratios
+from remat_plugin.capture.memory_meter import PeakMeter, StorageTracker, measure_peak_profiler
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.runtime.module import RematModule
@@ -62,13 +62,6 @@ Point = dict[str, Any]
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 PeerStep = Callable[[], Any]  # () -> context manager yielding step(args, kwargs) -> loss (bench/run.py)
 
-# Eager peers in report order; "none" first, it is the reference of every other point.
-EAGER_PEERS: dict[str, Callable[[BenchModel], Any]] = {
-    "none": none,
-    "per_layer": per_layer_checkpoint,
-    "sqrt_n": sqrt_n,
-    "drop_cheap": drop_cheap,
-}
 POINT_FIELDS = (
     "model", "strategy", "label", "setting", "matched_to", "device", "dtype", "meter",
     "none_peak_bytes", "budget_bytes", "measured_peak_bytes", "dispatch_peak_bytes", "predicted_peak_bytes",
@@ -196,7 +189,7 @@ class _Context:
         if not compiled and self.device.type == "cpu":
             point["dispatch_peak_bytes"] = self.dispatch_peak(peer_step)
         exact, equal, max_abs_diff = _grad_check(self.none_grads, grads, self.settings.torch_dtype)
-        ratios = _time_ratios(self.bench, self.none_step, peer_step, self.batch, self.device, self.settings.pairs)
+        ratios = time_ratios(self.bench, self.none_step, peer_step, self.batch, self.device, self.settings.pairs)
         point.update(
             measured_peak_bytes=peak, grads_exact=exact, grads_equal=equal, grad_max_abs_diff=max_abs_diff,
             loss_equal=loss == self.none_loss, time_ratios=ratios, time_ratio=statistics.median(ratios),
@@ -222,8 +215,8 @@ class _Context:
         return _series(*_downsample(x, recorder.samples), fwd_x)
 
 
-class _TimelineRecorder(_StorageTracker):
-    """The CPU meter's storage tracking (``memory.py``), sampled after every op with a timestamp."""
+class _TimelineRecorder(StorageTracker):
+    """The CPU meter's storage tracking (``capture/memory_meter.py``), sampled after every op with a timestamp."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

@@ -17,7 +17,7 @@ backward), leaving restores the model exactly, even when the block raises::
   what is expensive to compute, recompute the cheap ops (NOTE [drop cheap ops]).
 - ``compiled_memory_budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget``
   (the min-cut partitioner's knapsack), the strongest mainstream automatic peer. It takes a ratio
-  and compiles once, so it is not in :data:`PEERS`; see its docstring for how to measure it.
+  and compiles once, so it is not in :data:`EAGER_PEERS`; see its docstring for how to measure it.
 
 Like any plain ``torch.utils.checkpoint`` user, the checkpointing peers re-run BatchNorm's
 running-statistics update during recomputation, so after a step the running stats (and
@@ -38,9 +38,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from remat_plugin.bench.models import BenchModel
 from remat_plugin.planning.baselines import sqrt_n_segments
+from remat_plugin.runtime.forward_swap import swapped_forwards
 
 __all__ = [
-    "EXPENSIVE_OPS", "PEERS", "Step", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",
+    "EAGER_PEERS", "EXPENSIVE_OPS", "Step", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",
     "sqrt_n", "sqrt_n_segments",
 ]  # fmt: skip
 
@@ -133,7 +134,7 @@ def compiled_memory_budget(bench: BenchModel, ratio: float, backend: str | None 
     so the config patch stays on for the whole block, and dynamo's caches are reset on entry and
     exit so no graph of another ratio is reused. ``backend`` defaults to ``inductor`` on CUDA and
     ``aot_eager`` elsewhere (same partitioner, no codegen). Measure its memory with a meter that sees
-    compiled code (``memory.measure_peak_profiler`` on CPU, the CUDA counters on GPU): while a
+    compiled code (``capture.memory_meter.measure_peak_profiler`` on CPU, the CUDA counters on GPU): while a
     ``TorchDispatchMode`` such as the CPU ``PeakMeter`` is active dynamo runs the model eagerly, and
     the compiled module keeps running eagerly after it (seen with torch 2.13).
     """
@@ -155,9 +156,10 @@ def compiled_memory_budget(bench: BenchModel, ratio: float, backend: str | None 
         torch._dynamo.reset()
 
 
-PEERS: dict[str, Callable[[BenchModel], Any]] = {
+# The eager peers by report name, in report order; "none" first, it is the reference of every other strategy.
+EAGER_PEERS: dict[str, Callable[[BenchModel], Any]] = {
     "none": none,
-    "per_layer_checkpoint": per_layer_checkpoint,
+    "per_layer": per_layer_checkpoint,
     "sqrt_n": sqrt_n,
     "drop_cheap": drop_cheap,
 }
@@ -168,9 +170,9 @@ PEERS: dict[str, Callable[[BenchModel], Any]] = {
 # from outside without rewriting the parent's forward. Instead the instance ``forward`` of the
 # segment's first layer is replaced by one that checkpoints the whole segment (running the layers'
 # original forwards in order with the same extra arguments, the convention of BenchModel.layers),
-# and the other layers of the segment pass the hidden tensor through. Only instance attributes are
-# set, so deleting them (or putting back an instance ``forward`` that was already there) restores
-# the class's ``forward``, hooks and all.
+# and the other layers of the segment pass the hidden tensor through. The swap and its exact
+# restore are ``runtime.forward_swap``'s: only instance attributes are set, so the class's
+# ``forward``, hooks and all, shows again on exit.
 
 
 def _run_segment(forwards: list[Callable[..., Any]], hidden: Any, *args: Any, **kwargs: Any) -> Any:
@@ -198,18 +200,11 @@ def _checkpoint_segments(
     """Checkpoint each segment of ``layers`` (NOTE [segment patching]), with ``context_fn`` if given; restore on exit."""
     covered = sorted(i for segment in segments for i in segment)
     assert covered == list(range(len(layers))), f"segments {segments} do not partition {len(layers)} layers"
-    _missing = object()
-    saved = [layer.__dict__.get("forward", _missing) for layer in layers]
-    try:
-        for segment in segments:
-            forwards = [layers[i].forward for i in segment]
-            layers[segment[0]].forward = partial(_checkpointed, partial(_run_segment, forwards), context_fn)
-            for i in segment[1:]:
-                layers[i].forward = _pass_hidden
+    forwards = [layer.forward for layer in layers]  # the originals, read before any is swapped
+    replacements: dict[int, Callable[..., Any]] = {}
+    for segment in segments:
+        run = partial(_run_segment, [forwards[i] for i in segment])
+        replacements[id(layers[segment[0]])] = partial(_checkpointed, run, context_fn)
+        replacements.update((id(layers[i]), _pass_hidden) for i in segment[1:])
+    with swapped_forwards(layers, lambda layer, _forward: replacements[id(layer)]):
         yield
-    finally:
-        for layer, forward in zip(layers, saved):
-            if forward is _missing:
-                layer.__dict__.pop("forward", None)
-            else:
-                layer.forward = forward

@@ -20,8 +20,8 @@ _COLD = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch
-from remat_plugin import rematerialize
 from remat_plugin.bench.models import gpt2_tiny
+from remat_plugin.runtime.module import rematerialize
 bench = gpt2_tiny(n_layer={n_layer})
 args, kwargs = bench.make_batch(0)
 t1 = time.perf_counter()
@@ -64,8 +64,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.5, help="share of the 4-layer keep-all peak")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args()
-    from remat_plugin import rematerialize
     from remat_plugin.bench.models import gpt2_tiny
+    from remat_plugin.runtime.module import rematerialize
 
     results: dict = {"cold": [], "dp_ms": {}}
     for n_layer in (4, 12):

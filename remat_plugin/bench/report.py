@@ -126,7 +126,7 @@ COMPARE_COLUMNS = (
     "model", "strategy", "setting", "measured peak", "dispatch meter", "predicted peak",
     "time ratio", "grads vs none", "plan / compile s", "within budget",
 )  # fmt: skip
-NO_SLOWER_THAN_COMPILE = 0.05  # the issue's bar against activation_memory_budget at equal measured peak
+NO_SLOWER_THAN_COMPILE = 0.05  # the slowdown allowed against activation_memory_budget at equal measured peak
 
 
 def _mib(nbytes: int | None) -> str:
@@ -183,7 +183,7 @@ def frontier_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     or lower: picking the fastest of several noisy points would flatter us. Our points with
     gradients unequal to none's never count. The verdict against a checkpointing peer is "faster"
     or "slower"; against torch.compile's activation_memory_budget, "slower" only beyond
-    NO_SLOWER_THAN_COMPILE (the issue's bar).
+    NO_SLOWER_THAN_COMPILE (the bar against it at equal measured peak).
     """
     found = []
     for model in dict.fromkeys(p["model"] for p in points):

@@ -9,8 +9,8 @@ For each model, in one process:
    compared with ``none``'s (same batch, same RNG seed, so dropout draws the same masks).
 3. Its step time is compared with ``none`` as a ratio: after a warm-up pair, ``pairs`` times one
    ``none`` step then one strategy step (each repeated up to ``MIN_TIMING_S`` when a step is that
-   short), the ratio of each pair, and the median of those (DESIGN.md, "Measuring": CPU times are
-   noisy, ratios of interleaved steps less so).
+   short), the ratio of each pair, and the median of those (CPU times are noisy, ratios of
+   interleaved steps less so).
 
 Our plan is made once per budget (planning is the slow part) and that module is reused for all of
 its measurements. A budget below the smallest feasible one becomes an ``infeasible`` row.
@@ -33,24 +33,20 @@ from typing import Any
 import torch
 
 from remat_plugin.bench.models import BenchModel, build
-from remat_plugin.bench.peers import Step, none, per_layer_checkpoint, sqrt_n
+from remat_plugin.bench.peers import EAGER_PEERS, Step
 from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import InfeasibleBudgetError, RematError
 from remat_plugin.runtime.module import RematModule, rematerialize
 
-__all__ = ["PEER_STRATEGIES", "BenchRow", "run_bench", "run_model"]
+__all__ = ["RUN_PEERS", "BenchRow", "run_bench", "run_model", "time_ratios"]
 
 log = logging.getLogger(__name__)
 
 BenchRow = dict[str, Any]
 Batch = tuple[tuple[Any, ...], dict[str, Any]]
 
-# Strategy name in the report -> peer context manager (bench/peers.py).
-PEER_STRATEGIES: dict[str, Callable[[BenchModel], Any]] = {
-    "none": none,
-    "per_layer": per_layer_checkpoint,
-    "sqrt_n": sqrt_n,
-}
+# The eager peers (bench/peers.py's EAGER_PEERS) this benchmark measures, in report order; drop_cheap is compare's.
+RUN_PEERS = ("none", "per_layer", "sqrt_n")
 # The factory argument that sets each model's number of repeated layers (``--n-layer``).
 LAYER_COUNT_ARG = {"gpt2-tiny": "n_layer", "mlp-chain": "n_blocks"}
 
@@ -98,7 +94,7 @@ def run_model(
     log.info("%s: none peak %d bytes", bench.name, none_peak)
     context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
 
-    rows = [context.row(name, _peer_step(bench, name)) for name in PEER_STRATEGIES]
+    rows = [context.row(name, _peer_step(bench, name)) for name in RUN_PEERS]
     min_feasible_bytes: int | None = None  # the plan's problem does not depend on the budget
     for fraction in budgets:
         row, min_feasible_bytes = _ours_row(context, fraction, min_feasible_bytes)
@@ -231,7 +227,7 @@ class _RunContext:
         row = self.base_row(strategy, fraction, budget_bytes)
         peak, grads, loss = _metered_step(self.bench, peer_step, self.batch, self.device)
         equal, max_abs_diff = _compare_grads(self.none_grads, grads, self.dtype)
-        ratios = _time_ratios(self.bench, self.none_step, peer_step, self.batch, self.device, self.pairs)
+        ratios = time_ratios(self.bench, self.none_step, peer_step, self.batch, self.device, self.pairs)
         row.update(
             measured_peak_bytes=peak,
             grads_equal=equal,
@@ -258,7 +254,7 @@ class _RunContext:
 
 
 def _peer_step(bench: BenchModel, name: str) -> Callable[[], Any]:
-    peer = PEER_STRATEGIES[name]
+    peer = EAGER_PEERS[name]
     return lambda: peer(bench)
 
 
@@ -298,7 +294,7 @@ def _timed_steps(
         return time.perf_counter() - t0
 
 
-def _time_ratios(
+def time_ratios(
     bench: BenchModel,
     none_step: Callable[[], Any],
     peer_step: Callable[[], Any],

@@ -42,10 +42,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from typing_extensions import Self  # a torch dependency; typing.Self needs Python 3.11
 
-__all__ = ["PeakMeter", "measure_peak", "measure_peak_profiler"]
+__all__ = ["PeakMeter", "StorageTracker", "measure_peak", "measure_peak_profiler"]
 
 
-class _StorageTracker(TorchDispatchMode):
+class StorageTracker(TorchDispatchMode):
     """Counts bytes of storages created by ops while the mode is active (NOTE [CPU storage tracking])."""
 
     def __init__(self, device: torch.device) -> None:
@@ -137,7 +137,7 @@ class PeakMeter:
         self.peak_bytes = 0
         self.end_bytes = 0
         self._open = False
-        self._tracker: _StorageTracker | None = None
+        self._tracker: StorageTracker | None = None
         self._baseline_bytes = 0
         self._max_before_reset_bytes = 0
 
@@ -146,7 +146,7 @@ class PeakMeter:
             raise RuntimeError("memory.PeakMeter: this meter is already open; use a new PeakMeter for a nested block.")
         self._open = True
         if self.device.type == "cpu":
-            self._tracker = _StorageTracker(self.device)
+            self._tracker = StorageTracker(self.device)
             self._tracker.__enter__()
         else:
             self._enter_cuda()

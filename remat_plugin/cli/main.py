@@ -18,12 +18,14 @@ import sys
 from collections.abc import Sequence
 
 from remat_plugin.cli.plan_commands import add_plan_parser, add_report_parser, run_plan, run_report
-from remat_plugin.errors import RematError
-from remat_plugin.runtime.config import ENV_PREFIX, RematConfig
+from remat_plugin.errors import OptionError
+from remat_plugin.runtime.budget import BUDGET_FORMS, parse_budget
+from remat_plugin.runtime.config import ENV_VARIABLES, RematConfig
 
-# remat launch option -> RematConfig field; each is passed on as REMAT_<FIELD>.
+# remat launch option -> RematConfig field; each is passed on as its variable, ENV_VARIABLES[field].
 LAUNCH_OPTIONS = {"--budget": "budget", "--seq-bucket": "seq_bucket", "--cache-dir": "cache_dir",
                   "--ilp-time-limit-s": "ilp_time_limit_s"}
+_FLAGS = {field: flag for flag, field in LAUNCH_OPTIONS.items()}
 
 
 _UNIT_WORDS = {"b", "kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib", "k", "m", "g"}
@@ -34,8 +36,7 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         if "unrecognized arguments" in message and any(w.lower() in _UNIT_WORDS for w in message.split()[2:]):
-            message += (" (a budget is one word: '12GiB', not '12 GiB'; give bytes (300000000), a size "
-                        "('300MiB', '12GiB', '800MB') or a share of free memory ('80%'))")
+            message += f" (a budget is one word: '12GiB', not '12 GiB'; give {BUDGET_FORMS})"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -49,9 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         usage="remat launch --budget BUDGET [remat options] [accelerate launch options] script.py [script args]",
         description="Validate the remat options, export them as REMAT_* variables, then exec `accelerate launch` "
                     "with the remaining arguments. The remat options must come before the others.")
-    launch.add_argument("--budget", required=True,
-                        help="what one training step may add to allocated memory: bytes (300000000), a size "
-                             "('300MiB', '12GiB', '800MB') or a share of free memory ('80%%')")
+    launch.add_argument("--budget", required=True, help="what one training step may add to allocated memory: "
+                                                        + BUDGET_FORMS.replace("%", "%%"))
     launch.add_argument("--seq-bucket", help="how sequence lengths round up into plan buckets: pow2 (default), a "
                                              "multiple such as 64, or exact")
     launch.add_argument("--cache-dir", help="also keep plans in this directory, for later runs of the same model")
@@ -74,22 +74,15 @@ def split_launch_args(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def launch_env(args: argparse.Namespace) -> dict[str, str]:
-    """The ``REMAT_*`` variables for ``args``, each checked the way the training script will read it.
+    """The ``REMAT_*`` variables for ``args``, checked together the way the training script will read them.
 
-    Raises :class:`RematError` naming the option, its value and what is accepted.
+    Raises :class:`~remat_plugin.errors.OptionError` naming the option, the variable's text and what is accepted.
     """
-    env = {}
-    for flag, field in LAUNCH_OPTIONS.items():
-        if getattr(args, field) is None:
-            continue
-        value = str(getattr(args, field))
-        var = ENV_PREFIX + field.upper()
-        try:
-            RematConfig.from_env({var: value})
-        except RematError as exc:
-            detail = str(exc).replace("remat_plugin: ", "").replace(f"{var}={value!r}: ", "")
-            raise type(exc)(f"{flag} {value!r}: {detail}") from None
-        env[var] = value
+    env = {ENV_VARIABLES[field]: str(getattr(args, field)) for field in LAUNCH_OPTIONS.values()
+           if getattr(args, field) is not None}
+    if not args.budget.strip():  # the script would read a blank REMAT_BUDGET as unset and train without remat
+        parse_budget(args.budget)  # raises, naming the accepted forms
+    RematConfig.from_env(env)
     return env
 
 
@@ -116,8 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def launch(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         env = launch_env(args)
-    except RematError as exc:
-        print(f"remat launch: error: {exc}", file=sys.stderr)
+    except OptionError as exc:  # said in the command's words: the flag and its value, not the variable
+        where = f"{_FLAGS[exc.option]} {exc.value!r}: " if exc.option in _FLAGS else ""
+        print(f"remat launch: error: {where}{exc.detail}", file=sys.stderr)
         return 2
     if not rest:
         print("remat launch: error: no training script; usage: remat launch --budget BUDGET [accelerate launch "

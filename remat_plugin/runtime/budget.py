@@ -13,7 +13,9 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
     "k": 1024, "m": 1024**2, "g": 1024**3,
 }
-_ACCEPTED = "bytes as an int (300000000), a size string ('300MiB', '12GiB', '800MB') or a share of free memory ('80%')"
+# The budget forms we read, the one sentence every message and help text about a budget quotes.
+BUDGET_FORMS = ("bytes as an int (300000000), a size string ('300MiB', '12GiB', '800MB') or a share of free memory "
+                "('80%')")
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -35,25 +37,28 @@ def free_device_bytes(device: torch.device) -> int:
 
 def parse_budget(budget: float | str, device: torch.device | str = "cpu") -> int:
     """Resolve a budget to bytes; raise :class:`BudgetFormatError` naming the accepted forms."""
+    def bad(reason: str, accepted: str | None = BUDGET_FORMS) -> BudgetFormatError:
+        return BudgetFormatError(option="budget", value=budget, reason=reason, accepted=accepted)
+
     if isinstance(budget, bool):
-        raise BudgetFormatError(f"remat_plugin: budget {budget!r} is not a budget; give {_ACCEPTED}")
+        raise bad(f"budget {budget!r} is not a budget")
     if isinstance(budget, (int, float)):
         if budget <= 0:
-            raise BudgetFormatError(f"remat_plugin: budget {budget!r} must be positive; give {_ACCEPTED}")
+            raise bad(f"budget {budget!r} must be positive")
         return int(budget)
     if not isinstance(budget, str):
-        raise BudgetFormatError(f"remat_plugin: budget {budget!r} has type {type(budget).__name__}; give {_ACCEPTED}")
+        raise bad(f"budget {budget!r} has type {type(budget).__name__}")
     text = budget.strip()
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", text)
     if m:
         share = float(m.group(1))
         if not 0 < share <= 100:
-            raise BudgetFormatError(f"remat_plugin: budget {budget!r} must be a share in (0%, 100%]")
+            raise bad(f"budget {budget!r} must be a share in (0%, 100%]", accepted=None)
         return int(free_device_bytes(torch.device(device)) * share / 100)
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise BudgetFormatError(f"remat_plugin: cannot read budget {budget!r}; give {_ACCEPTED}")
+        raise bad(f"cannot read budget {budget!r}")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if value <= 0:
-        raise BudgetFormatError(f"remat_plugin: budget {budget!r} must be positive; give {_ACCEPTED}")
+        raise bad(f"budget {budget!r} must be positive")
     return int(value)

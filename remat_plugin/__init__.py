@@ -1,5 +1,5 @@
 """remat_plugin: make PyTorch training fit a memory budget by planned rematerialization."""
-from remat_plugin.errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, RematError
+from remat_plugin.errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, OptionError, RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.module import RematModule, rematerialize
 
@@ -17,6 +17,7 @@ __all__ = [
     "BudgetFormatError",
     "CaptureError",
     "InfeasibleBudgetError",
+    "OptionError",
     "Plan",
     "RematError",
     "RematModule",

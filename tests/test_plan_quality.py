@@ -26,7 +26,7 @@ from torch import nn
 
 from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.planning.choose_plan import make_plan
-from remat_plugin.runtime.module import capture_problem
+from remat_plugin.runtime.steps import capture_problem
 
 try:  # make_plan keeps a safety margin back from the budget: compare at equal usable budgets
     from remat_plugin.ir.plan import budget_for_peak, safety_margin

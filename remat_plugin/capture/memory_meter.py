@@ -1,6 +1,6 @@
 """Peak-memory meter: how far allocated memory rises during a block above where it started.
 
-This is the project's one meaning of a budget (DESIGN.md, "Budget"): the most that allocated
+This is the project's one meaning of a budget: the most that allocated
 device memory rises during one forward+backward above what is allocated when the step starts.
 
 - CUDA reads the caching allocator's counters: baseline ``memory_allocated()`` on entry,
@@ -195,7 +195,7 @@ def measure_peak_profiler(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn()`` under the profiler; return its result and the CPU allocator's peak rise.
 
     Reads the allocator's own alloc/free reports (``profile_memory=True``), so it also sees
-    code a dispatch mode cannot, such as torch.compile'd graphs (DESIGN.md, "Measuring"). In
+    code a dispatch mode cannot, such as torch.compile'd graphs (a dispatch mode makes them run eagerly). In
     eager runs it agrees with :class:`PeakMeter` to the byte, plus any kernel scratch buffers.
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

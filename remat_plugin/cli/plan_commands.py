@@ -56,8 +56,8 @@ def add_report_parser(commands) -> None:
 
 def _budget_bytes(text: str, device: torch.device) -> int:
     if device.type == "meta" and text.strip().endswith("%"):
-        raise BudgetFormatError(f"remat_plugin: budget {text!r} is a share of free memory, which the meta device "
-                                "does not have; give a size such as '12GiB'")
+        raise BudgetFormatError(option="budget", value=text, accepted="a size such as '12GiB'",
+                                reason=f"budget {text!r} is a share of free memory, which the meta device does not have")
     return parse_budget(int(text) if text.strip().isdigit() else text, device)
 
 

@@ -63,7 +63,7 @@ def _require_op(problem: Problem, name: str, fwd_values: frozenset[str], availab
     op = problem.op(name)
     if not op.recomputable:
         raise UnrecomputableValueError(
-            f"remat_plugin.solve: the backward phase needs outputs {op.outputs} of op {name!r}, which is not "
+            f"remat_plugin.planning: the backward phase needs outputs {op.outputs} of op {name!r}, which is not "
             "recomputable and not kept; add them to the kept set"
         )
     for v in op.inputs:

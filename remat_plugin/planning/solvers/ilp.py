@@ -323,7 +323,7 @@ class BlockIlp:
             if simulate_within(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:
                 return schedule, {v.name: round(v.varValue or 0.0) for v in self.prob.variables()}
             logger.warning(
-                "remat_plugin.solve: ILP solution failed the simulator check (peak budget %d B)", peak_budget_bytes
+                "remat_plugin.planning: ILP solution failed the simulator check (peak budget %d B)", peak_budget_bytes
             )
         if self.prob.status == pulp.LpStatusInfeasible:
             return None
@@ -357,7 +357,7 @@ class BlockIlp:
         ]
         if not fitting:
             return None
-        logger.info("remat_plugin.solve: using a rounded LP relaxation (no integer solution in %.1f s)", time_limit_s)
+        logger.info("remat_plugin.planning: using a rounded LP relaxation (no integer solution in %.1f s)", time_limit_s)
         return min(fitting, key=lambda x: x[0])[1], {}
 
 

@@ -36,13 +36,13 @@ class SolverUnavailableError(RuntimeError):
 def default_solver_name() -> str:
     """``"highs"`` when highspy is importable, else ``"cbc"`` (chosen once, logged)."""
     if pulp.HiGHS().available():
-        logger.info("remat_plugin.solve: using HiGHS (highspy) for the block ILP")
+        logger.info("remat_plugin.planning: using HiGHS (highspy) for the block ILP")
         return "highs"
     if pulp.PULP_CBC_CMD(msg=False).available():
-        logger.info("remat_plugin.solve: highspy not found, using CBC for the block ILP")
+        logger.info("remat_plugin.planning: highspy not found, using CBC for the block ILP")
         return "cbc"
     raise SolverUnavailableError(
-        "remat_plugin.solve: neither HiGHS nor CBC is available to PuLP; install one with `pip install highspy`"
+        "remat_plugin.planning: neither HiGHS nor CBC is available to PuLP; install one with `pip install highspy`"
     )
 
 
@@ -72,7 +72,7 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
     if name == "highs":
         if not pulp.HiGHS().available():
             raise SolverUnavailableError(
-                "remat_plugin.solve: HiGHS requested but highspy is not installed; `pip install highspy`"
+                "remat_plugin.planning: HiGHS requested but highspy is not installed; `pip install highspy`"
             )
         return _WarmHiGHS(
             warm_start=warm_start and mip,
@@ -91,7 +91,7 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
             timeLimit=time_limit_s,
             warmStart=warm_start and mip,
         )
-    raise ValueError(f"remat_plugin.solve: unknown solver {name!r}; use one of {SOLVER_NAMES}")
+    raise ValueError(f"remat_plugin.planning: unknown solver {name!r}; use one of {SOLVER_NAMES}")
 
 
 def solve(prob: pulp.LpProblem, name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False,
@@ -100,6 +100,6 @@ def solve(prob: pulp.LpProblem, name: str, time_limit_s: float, mip: bool = True
     try:
         prob.solve(make_solver(name, time_limit_s, mip=mip, warm_start=warm_start, gap_rel=gap_rel))
     except pulp.PulpSolverError as err:
-        logger.warning("remat_plugin.solve: %s failed on %s: %s", name, prob.name, err)
+        logger.warning("remat_plugin.planning: %s failed on %s: %s", name, prob.name, err)
         return False
     return prob.sol_status in _USABLE

@@ -204,3 +204,26 @@ def test_uncapturable_model_with_layers_falls_back_exactly():
         for (name, ba), bb in zip(a.named_buffers(), b.buffers()):
             assert torch.equal(ba, bb), f"buffer {name} updated differently"
     assert "forward" not in a.layers[0].__dict__, "layer forwards restored after the step"
+
+
+def test_smaller_shapes_replay_a_covering_plan_larger_ones_plan_anew():
+    """RematModule resolves steps like the session: a smaller batch replays the plan (no solve), a larger one plans."""
+    from remat_plugin.bench.models import mlp_chain
+
+    bench, ref = (mlp_chain(n_blocks=4, width=64, batch_size=256, dtype=torch.float64) for _ in range(2))
+    (x, y), _ = bench.make_batch(0)
+    _, plain_peak = measure_peak(lambda: ref.module(x, y).backward())
+    ref.module.zero_grad()
+    rm = rematerialize(bench.module, (x, y), budget=int(plain_peak * 0.7))
+    solved = rm.plan
+    assert solved is not None and solved.planning_s > 0 and rm.problem is not None
+    torch.manual_seed(1)
+    rm(x[:100], y[:100]).backward()
+    torch.manual_seed(1)
+    ref.module(x[:100], y[:100]).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(bench.module.parameters(), ref.module.parameters()))
+    assert rm.plan.schedule == solved.schedule and rm.plan.planning_s == 0.0 and rm.problem is None  # replayed
+    assert rm.plan.predicted_peak_bytes < solved.predicted_peak_bytes  # re-simulated at the smaller sizes
+    big = (torch.cat([x, x[:44]]), torch.cat([y, y[:44]]))
+    rm(*big).backward()
+    assert len(rm.steps) == 3 and rm.plan.planning_s > 0 and rm.problem is not None  # a new plan for 300 rows

@@ -2,8 +2,10 @@
 
 Every training call, ranks gather each other's signature key.  When all ranks already have a
 step for their shapes, nothing more happens; when all need the same new plan, rank 0 makes
-it with the smallest budget of all ranks and broadcasts it, and the others replay it.  Ranks
-that see different shapes plan their own (warned once).
+it with the smallest budget of all ranks and broadcasts it, and the others replay it (a
+fallback plan too: every rank then checkpoints the same layers).  Whatever fails on rank 0
+while it plans is sent to the other ranks and raised there, so no rank waits for a plan that
+never comes.  Ranks that see different shapes plan their own (warned once).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class RankAgreement:
                     plan, step = self.resolver.solve_bucket(call, budget_bytes)
                 assert plan is not None
                 payload = ("plan", plan.to_json())
-            except RematError as exc:
+            except Exception as exc:  # any failure (out of memory too) must reach the ranks waiting below
                 dist.broadcast_from_rank_zero(("error", f"{type(exc).__name__}: {exc}"))
                 raise
         kind, text = dist.broadcast_from_rank_zero(payload)

@@ -26,7 +26,15 @@ from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs
-from remat_plugin.runtime.steps import PlanMismatch, PlannedStep, PlanningCaches, plan_step, replay_step, run_unobserved
+from remat_plugin.runtime.steps import (
+    PlanMismatch,
+    PlannedStep,
+    PlanningCaches,
+    fallback_step,
+    plan_step,
+    replay_step,
+    run_unobserved,
+)
 from remat_plugin.runtime.store import PlanStore
 
 log = logging.getLogger(__name__)
@@ -99,6 +107,9 @@ class StepResolver:
         return None
 
     def replay(self, plan: Plan, call: Call, budget_bytes: int) -> PlannedStep:
+        """A step running ``plan`` on this call: its schedule, or per-layer checkpointing for a fallback plan."""
+        if plan.fallback:
+            return fallback_step(self.module, call, plan)
         step = replay_step(self.module, call, plan, budget_bytes)
         self.n_replayed += 1
         return step

@@ -156,6 +156,21 @@ def _fallback(module: nn.Module, err: CaptureError, budget_bytes: int,
     return run
 
 
+def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
+    """The step of a fallback ``plan`` made elsewhere (rank 0, a larger bucket): per-layer checkpointing, no capture."""
+    chain = find_layer_chain(module)
+    if chain is None:
+        raise CaptureError(f"remat_plugin.runtime: the plan is a fallback ({plan.fallback}), but "
+                           f"{type(module).__name__} has no list of repeated layers here to checkpoint")
+    _, layers = chain
+
+    def run(args: tuple, kwargs: dict):
+        with checkpointed_layers(layers):
+            return module(*args, **kwargs)
+
+    return PlannedStep(run=run, signature_key=call.key, plan=plan, checked=True)
+
+
 def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) -> PlannedStep:
     """A step running ``plan``'s schedule on this call; its first call raises :class:`PlanMismatch`
     (before running anything) if the graph differs or the schedule would exceed ``budget_bytes``."""

@@ -1,0 +1,106 @@
+"""Rank agreement with 2 CPU processes (gloo): a fallback plan is run alike on every rank; a failure on rank 0
+while it plans reaches the other rank instead of leaving it waiting."""
+import copy
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _BranchyLayers(nn.Module):
+    """Data-dependent control flow at the top (torch.export cannot capture it), repeated layers inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2)) for _ in range(4))
+
+    def forward(self, x):
+        if x.mean() > 10:
+            x = x * 2
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def _session(module, budget=10**9):
+    from remat_plugin.runtime.config import RematConfig
+    from remat_plugin.runtime.session import RematSession
+
+    session = RematSession(module, RematConfig(budget=budget, ilp_time_limit_s=0.2))
+    module.forward = session.dispatcher(module.forward)
+    return session
+
+
+def _fallback_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    plain = _BranchyLayers().double()
+    ours = copy.deepcopy(plain)
+    session = _session(ours)
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    same = True
+    for _ in range(2):
+        for module in (plain, ours):
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(3)
+            module(x).backward()
+        same &= all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))
+    torch.save({"same": same, "fallback": session.plan.fallback, "solved": session.n_solved},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_fallback_plan_is_agreed_and_run_on_every_rank(tmp_path):
+    """An uncapturable model under 2 ranks: rank 0 makes the fallback plan, both run it, gradients equal eager."""
+    mp.spawn(_fallback_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["same"] and r1["same"]
+    assert r0["fallback"] and r0["fallback"] == r1["fallback"] and "'layers'" in r0["fallback"]
+    assert (r0["solved"], r1["solved"]) == (1, 0)
+
+
+def _failing_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    from remat_plugin.runtime.resolver import StepResolver
+
+    if rank == 0:
+        def fail(self, call, budget_bytes):
+            raise RuntimeError("injected failure while planning")
+
+        StepResolver.solve_bucket = fail  # type: ignore[method-assign]
+    module = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))
+    _session(module)
+    t0 = time.perf_counter()
+    try:
+        module(torch.randn(4, 16)).sum().backward()
+        message = "no error"
+    except Exception as exc:  # noqa: BLE001 -- the test records whatever was raised
+        message = f"{type(exc).__name__}: {exc}"
+    torch.save({"message": message, "s": time.perf_counter() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_any_failure_on_rank_zero_reaches_every_rank(tmp_path):
+    """A RuntimeError on rank 0 during planning is raised on both ranks, with its message, within 30 s."""
+    mp.spawn(_failing_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["message"] == "RuntimeError: injected failure while planning"
+    assert r1["message"].startswith("RematError") and "injected failure while planning" in r1["message"]
+    assert r0["s"] < 30 and r1["s"] < 30

@@ -148,12 +148,7 @@ def _fallback(module: nn.Module, err: CaptureError, budget_bytes: int,
         raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err
     name, layers = chain
     step.plan = fallback_plan(str(err), name, layers, budget_bytes, step.signature_key)
-
-    def run(args: tuple, kwargs: dict):
-        with checkpointed_layers(layers):
-            return module(*args, **kwargs)
-
-    return run
+    return _checkpointed_run(module, layers)
 
 
 def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
@@ -162,13 +157,17 @@ def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
     if chain is None:
         raise CaptureError(f"remat_plugin.runtime: the plan is a fallback ({plan.fallback}), but "
                            f"{type(module).__name__} has no list of repeated layers here to checkpoint")
-    _, layers = chain
+    return PlannedStep(run=_checkpointed_run(module, chain[1]), signature_key=call.key, plan=plan, checked=True)
+
+
+def _checkpointed_run(module: nn.Module, layers: list[nn.Module]) -> Callable[[tuple, dict], Any]:
+    """The module's own forward with each of ``layers`` checkpointed."""
 
     def run(args: tuple, kwargs: dict):
         with checkpointed_layers(layers):
             return module(*args, **kwargs)
 
-    return PlannedStep(run=run, signature_key=call.key, plan=plan, checked=True)
+    return run
 
 
 def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) -> PlannedStep:

@@ -165,14 +165,6 @@ class RematHook(ModelHook):
         return str(self.config.auto_batch_size) if self.config.auto_batch_size else None
 
     @property
-    def multiple_of(self) -> int:
-        return self.config.multiple_of
-
-    @property
-    def max_val(self) -> int | None:
-        return self.config.max_val
-
-    @property
     def attached(self) -> bool:
         return self._dispatch is not None
 

@@ -1,6 +1,7 @@
 """Public entry point: ``rematerialize(module, args, kwargs, budget)`` → a module that fits the budget."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -78,16 +79,17 @@ class RematModule(nn.Module):
         if not (self.original.training and torch.is_grad_enabled()):
             return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
         call = Call.of(self.original, args, kwargs)
-        step = self._resolver.step_for(call, lambda: self._budget_bytes(call))
-        return self._resolver.run(call, step, lambda: self._budget_bytes(call))
+        budget = functools.partial(self._budget_bytes, call)
+        return self._resolver.run(call, self._resolver.step_for(call, budget), budget)
 
     def prepare(self, args: tuple, kwargs: dict) -> Plan:
         """Plan for these inputs now (capture, profile, solve) without changing any state."""
         call = Call.of(self.original, args, kwargs)
-        step = self._resolver.step_for(call, lambda: self._budget_bytes(call))
+        budget = functools.partial(self._budget_bytes, call)
+        step = self._resolver.step_for(call, budget)
         if not step.checked:
             with unobserved(self.original, call.device):  # the first call plans; its outputs are dropped
-                self._resolver.run(call, step, lambda: self._budget_bytes(call))
+                self._resolver.run(call, step, budget)
         self._resolver.latest = self._resolver.steps[call.key]
         plan = self._resolver.latest.plan
         assert plan is not None

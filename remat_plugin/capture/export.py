@@ -107,6 +107,9 @@ def build_step(
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
+        joint.state_primals = {n.name for n in primals[: len(names)]}
+        flat_inputs = [*named.values(), *(leaves[i] for i in tensor_positions)]
+        joint.grad_primals = {n.name for n, t in zip(primals, flat_inputs) if t.requires_grad}
         return emit(joint)
 
     def boxed(gm_, _example):

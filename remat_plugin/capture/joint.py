@@ -80,6 +80,8 @@ class JointGraph:
     live_out: set[str] = field(default_factory=set)
     tangents: list[fx.Node] = field(default_factory=list)
     buffer_primals: set[str] = field(default_factory=set)  # placeholders that are module buffers
+    state_primals: set[str] = field(default_factory=set)  # placeholders that are parameters or buffers
+    grad_primals: set[str] = field(default_factory=set)  # placeholders that require grad
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]
@@ -150,6 +152,26 @@ class JointGraph:
             self.root[n.name] = None
         if _is_random(n):
             self.random_ops.add(n.name)
+
+    def constant_ops(self) -> set[str]:
+        """Forward ops the planner treats as constants: those that do not mix a user input with a
+        trainable tensor.  Rotary tables and T5's bias table read only parameters and buffers; masks
+        read only the ``attention_mask`` input; neither is on the path gradients flow along."""
+        from_input: set[str] = set()
+        from_grad: set[str] = set()
+        for n in self.gm.graph.nodes:
+            if n.op == "placeholder":
+                if n.name not in self.state_primals:
+                    from_input.add(n.name)
+                if n.name in self.grad_primals:
+                    from_grad.add(n.name)
+                continue
+            args = _node_args(n)
+            if any(a.name in from_input for a in args):
+                from_input.add(n.name)
+            if any(a.name in from_grad for a in args):
+                from_grad.add(n.name)
+        return {n.name for n in self.ops if self.is_fwd[n.name] and not (n.name in from_input and n.name in from_grad)}
 
     def reads(self, n: fx.Node) -> tuple[str, ...]:
         """Internal values an op reads (views resolved to their base), in first-read order."""

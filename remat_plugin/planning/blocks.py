@@ -1,11 +1,22 @@
-"""Cut the forward graph into a chain of blocks at 1-separators (Rockmate A.4).
+"""Cut the forward graph into a chain of blocks at 1-separators (Rockmate A.4), with side values.
 
-A cut after forward op ``i`` is allowed when exactly one value made at or before
-``i`` is still read by a later forward op: that value is the chain activation x.
-Values that depend on no input (attention masks, position ranges) are made once and
-read by every layer; they would glue the model into one block, so they are treated
-like parameters here (alive throughout, never recomputed by a block).  Residual adds
-need no special case: after the add only the new hidden state crosses the cut.
+A cut after forward op ``i`` is allowed when exactly one value made at or before ``i``
+is still read by a later forward op: that value is the chain activation x.  Residual
+adds need no special case: after the add only the new hidden state crosses the cut.
+
+NOTE [side values]
+    Some values are read by every layer: attention masks built from an input, rotary
+    tables, T5's position bias, an encoder output read by each cross-attention, a
+    U-Net's long skips.  Counted as crossing, they leave no 1-separator and glue the
+    model into one block.  So values whose forward lifetime is far longer than the
+    others' (the top of the largest gap in the sorted spans, at least
+    :data:`SIDE_MIN_SPAN` ops and :data:`SIDE_GAP` times the next span) are *side
+    values*: they do not count when looking for cuts, stay with the block that makes
+    them (alive to its end), are external inputs of the blocks that read them, and are
+    charged to the memory of every later block (:attr:`Block.side_bytes`), so the chain
+    DP sees them.  Ops that depend on no user input (position ranges, rotary tables from
+    the ``inv_freq`` buffer) are constants: made once, in no block.  Side values are
+    used only when they give more cuts than the plain 1-separators.
 
 Backward ops join the block whose forward values they read (the earliest one, since
 backward runs blocks in reverse), so each block's forward+backward is a small
@@ -13,11 +24,19 @@ backward runs blocks in reverse), so each block's forward+backward is a small
 """
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from remat_plugin.ir.problem import Op, Problem, Schedule
 from remat_plugin.ir.simulate import simulate
+
+log = logging.getLogger(__name__)
+
+SIDE_MIN_SPAN = 16  # forward ops a side value must stay alive across
+SIDE_GAP = 2.0  # a side value outlives every non-side value by at least this factor
+GLUED_SHARE = 0.5  # a block holding more of the forward ops than this is reported as glued
 
 
 @dataclass(frozen=True)
@@ -29,25 +48,60 @@ class Block:
     output_value: str | None  # x_{i+1} (None for the last block)
     problem: Problem  # the block alone: values from outside are external
     key: tuple  # equal keys = identical blocks (solved once)
+    side_bytes: int = 0  # bytes made outside the block (side values, constants, skipping gradients) alive meanwhile
 
 
-def _cut_positions(
-    problem: Problem, constants: set[str], min_fwd_ops: int
-) -> tuple[list[tuple[int, str]], list[Op]]:
-    """Cut points (forward position, chain value x) and the forward ops they index."""
-    fwd = [o for o in problem.fwd_ops if o.name not in constants]
-    pos = {o.name: i for i, o in enumerate(fwd)}
-    made_at = {v: pos[o.name] for o in fwd for v in o.outputs}
-    last_read: dict[str, int] = {}
-    for o in fwd:
-        for v in o.inputs:
-            if v in made_at:
-                last_read[v] = pos[o.name]
-    n = len(fwd)
-    crossing: list[set[str]] = [set() for _ in range(n)]
-    for v, r in last_read.items():
-        for i in range(made_at[v], r):
-            crossing[i].add(v)
+@dataclass(frozen=True)
+class _Lifetimes:
+    """Forward ops outside the constants, in order, and when each value they make is made and last read."""
+
+    fwd: list[Op]
+    made_at: dict[str, int]
+    last_read: dict[str, int]
+
+    @staticmethod
+    def of(problem: Problem, constants: set[str]) -> _Lifetimes:
+        fwd = [o for o in problem.fwd_ops if o.name not in constants]
+        made_at = {v: i for i, o in enumerate(fwd) for v in o.outputs}
+        last_read: dict[str, int] = {}
+        for i, o in enumerate(fwd):
+            for v in o.inputs:
+                if v in made_at:
+                    last_read[v] = i
+        return _Lifetimes(fwd, made_at, last_read)
+
+    def crossing(self, skip: frozenset[str] = frozenset()) -> list[set[str]]:
+        """Per position ``i``: values made at or before ``i`` and read after it (``skip`` left out)."""
+        out: list[set[str]] = [set() for _ in self.fwd]
+        for v, r in self.last_read.items():
+            if v not in skip:
+                for i in range(self.made_at[v], r):
+                    out[i].add(v)
+        return out
+
+
+def side_values(problem: Problem, constants: set[str]) -> frozenset[str]:
+    """The values left out when looking for cuts; see NOTE [side values]."""
+    life = _Lifetimes.of(problem, constants)
+    spans = sorted(((r - life.made_at[v], v) for v, r in life.last_read.items()), reverse=True)
+    best_k, best_gap = 0, SIDE_GAP
+    for k in range(1, len(spans) + 1):
+        if spans[k - 1][0] < SIDE_MIN_SPAN:
+            break
+        below = spans[k][0] if k < len(spans) else 0
+        gap = spans[k - 1][0] / max(below, 1)
+        if gap >= best_gap:
+            best_k, best_gap = k, gap
+    side = frozenset(v for _, v in spans[:best_k])
+    if side and len(_cuts(life, side, 2)) <= len(_cuts(life, frozenset(), 2)):
+        return frozenset()
+    return side
+
+
+def _cuts(life: _Lifetimes, side: frozenset[str], min_fwd_ops: int) -> list[tuple[int, str]]:
+    """Cut points (forward position, chain value x)."""
+    crossing = life.crossing(side)
+    fwd, n = life.fwd, len(life.fwd)
     cuts: list[tuple[int, str]] = []
     last_cut = -1
     for i in range(n - 1):
@@ -56,13 +110,14 @@ def _cut_positions(
             last_cut = i
     if cuts and n - 1 - cuts[-1][0] < min_fwd_ops:
         cuts.pop()
-    return cuts, fwd
+    return cuts
 
 
 def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> list[Block]:
-    """The chain of blocks of ``problem``; ``constants`` are ops that depend on no input."""
-    cuts, fwd = _cut_positions(problem, constants, min_fwd_ops)
-    # rng-capture ops have no inputs and sit just before their random op: same block as it
+    """The chain of blocks of ``problem``; ``constants`` are ops that depend on no user input."""
+    life = _Lifetimes.of(problem, constants)
+    side = side_values(problem, constants)
+    cuts, fwd = _cuts(life, side, min_fwd_ops), life.fwd
     block_of_op: dict[str, int] = {}
     b = 0
     cut_iter = iter(cuts)
@@ -74,15 +129,96 @@ def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> 
             next_cut = next(cut_iter, None)
     n_blocks = b + 1
     xs: list[str | None] = [None, *(v for _, v in cuts), None]
-    value_block = {v: block_of_op[o.name] for o in fwd for v in o.outputs}
+    value_block = {v: block_of_op[o.name] for o in fwd for v in o.outputs if v not in side}
     bwd_group = _group_backward(problem, value_block, n_blocks)
+    if _localise_constants(problem, constants, block_of_op, bwd_group):
+        value_block = {v: block_of_op[o.name] for o in problem.fwd_ops if o.name in block_of_op
+                       for v in o.outputs if v not in side}
+        bwd_group = _group_backward(problem, value_block, n_blocks)
+    charges = _side_charges(problem, {**block_of_op, **bwd_group}, set(x for x in xs if x), n_blocks)
     blocks = []
     for k in range(n_blocks):
-        f = tuple(o.name for o in fwd if block_of_op[o.name] == k)
+        f = tuple(o.name for o in problem.fwd_ops if block_of_op.get(o.name) == k)
         g = tuple(o.name for o in problem.bwd_ops if bwd_group[o.name] == k)
         sub = _subproblem(problem, set(f) | set(g), exclude_live={xs[k + 1]})
-        blocks.append(Block(k, f, g, xs[k], xs[k + 1], sub, _canonical_key(sub)))
+        blocks.append(Block(k, f, g, xs[k], xs[k + 1], sub, _canonical_key(sub), charges[k]))
+    _warn_if_glued(life, side, blocks)
     return blocks
+
+
+def _localise_constants(problem: Problem, constants: set[str], block_of_op: dict[str, int],
+                        bwd_group: dict[str, int]) -> bool:
+    """Move each constant read by one block only into that block, where it can be freed and recomputed.
+
+    (GPT-2 without a mask builds each layer's float mask from a shared causal table: only the
+    table stays a constant.)  ``block_of_op`` gains the moved ops; returns whether any moved.
+    """
+    readers: dict[str, list[str]] = {}
+    for o in problem.ops:
+        for v in o.inputs:
+            readers.setdefault(v, []).append(o.name)
+    moved = False
+    for o in reversed(problem.fwd_ops):  # readers first, so a chain of constants moves together
+        if o.name not in constants or not o.recomputable:
+            continue
+        found = {block_of_op.get(r, bwd_group.get(r, -1)) for v in o.outputs for r in readers.get(v, ())}
+        if len(found) == 1 and -1 not in found:
+            block_of_op[o.name] = next(iter(found))
+            moved = True
+    return moved
+
+
+def _side_charges(problem: Problem, block_of: dict[str, int], chain_values: set[str], n_blocks: int) -> list[int]:
+    """Per block, the bytes of values made elsewhere that are alive while it runs (NOTE [side values]).
+
+    A forward value (or a constant, made just before its first reader) read by another block is alive from the block that makes it
+    to the end of the chain and back down to its lowest reader.  A backward value that skips over
+    blocks (the gradient of a side value) is alive in the blocks between its maker and its reader.
+    Chain values, their gradients (read by the adjacent block) and ``live_out`` are the DP's own.
+    """
+    charges = [0] * n_blocks
+    readers: dict[str, set[int]] = {}
+    for o in problem.ops:
+        for v in o.inputs:
+            if o.name in block_of:  # constants read by constants are charged where those are read
+                readers.setdefault(v, set()).add(block_of[o.name])
+    for value in problem.values:
+        v = value.name
+        if v in chain_values or v in problem.live_out or v not in readers:
+            continue
+        op = problem.op(value.producer)
+        if op.name not in block_of:  # a constant: made in the forward just before its first reader
+            made, read = min(readers[v]) - 1, readers[v]
+        else:
+            made, read = block_of[op.name], readers[v] - {block_of[op.name]}
+        if not read:
+            continue
+        if op.is_fwd:
+            span = range(min(made + 1, min(read)), n_blocks)
+        elif made - min(read) >= 2:
+            span = range(min(read) + 1, made)
+        else:
+            continue
+        for k in span:
+            if k != made:
+                charges[k] += value.size_bytes
+    return charges
+
+
+def _warn_if_glued(life: _Lifetimes, side: frozenset[str], blocks: list[Block]) -> None:
+    """Name the values that keep a big block from being cut, so the user can see why planning is slow."""
+    n = len(life.fwd)
+    biggest = max(blocks, key=lambda b: len(b.fwd_ops))
+    if n < 100 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
+        return
+    start = next(i for i, o in enumerate(life.fwd) if o.name == biggest.fwd_ops[0])
+    crossing = life.crossing(side)[start:start + len(biggest.fwd_ops)]
+    counts = Counter(v for c in crossing for v in c)
+    glue = [f"{v} ({life.made_at[v]}..{life.last_read[v]})" for v, _ in counts.most_common(4)]
+    log.warning(
+        "remat_plugin: block %d holds %d of %d forward ops: values alive across it keep it from being cut: %s. "
+        "It is planned as one block (slower to plan, less memory saved).",
+        biggest.index, len(biggest.fwd_ops), n, ", ".join(glue))
 
 
 def _group_backward(problem: Problem, value_block: dict[str, int], n_blocks: int) -> dict[str, int]:

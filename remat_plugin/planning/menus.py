@@ -82,6 +82,7 @@ class Planner:
                 ChainOption(o.kept_bytes, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - o.kept_bytes), o.fwd_ms, o.bwd_ms)
                 for o in menu
             ),
+            side_bytes=b.side_bytes,
         )
 
     def assemble(self, chain_plan: ChainPlan) -> Schedule:

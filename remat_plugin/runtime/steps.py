@@ -88,13 +88,13 @@ def graph_key(joint: JointGraph) -> str:
 def measured_problem(joint: JointGraph, device: torch.device, progress=None,
                      op_timings: OpTimings | None = None) -> tuple[Problem, set[str]]:
     """The planning problem of ``joint`` with costs measured on ``device`` (estimated on ``meta``),
-    and its forward constants."""
+    and the forward ops the planner treats as constants."""
     if device.type == "meta":
         costs = estimate_costs(joint, progress=progress)
     else:
         costs = profile_ops(joint, device, progress, op_timings)
     problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
-    return problem, {n for n in joint.constants if joint.is_fwd.get(n)}
+    return problem, joint.constant_ops()
 
 
 def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,

@@ -79,6 +79,7 @@ class ChainBlock:
     none_fwd_ms: float
     none_fwd_peak_bytes: int  # peak above what was alive, forward keeping nothing (includes x_{i+1})
     options: tuple[ChainOption, ...]
+    side_bytes: int = 0  # made outside the chain's bookkeeping (side values, constants), alive during its actions
 
 
 @dataclass(frozen=True)
@@ -152,12 +153,12 @@ def replay(blocks: Sequence[ChainBlock], actions: Sequence[ChainAction]) -> tupl
             if a.kind == "fwd":
                 opt = blk.options[a.option]
                 made = x_bytes[i + 1] + opt.kept_bytes
-                peak_bytes = max(peak_bytes, alive_bytes + max(opt.fwd_peak_bytes, made))
+                peak_bytes = max(peak_bytes, alive_bytes + blk.side_bytes + max(opt.fwd_peak_bytes, made))
                 kept_option[i] = a.option
                 time_ms += opt.fwd_ms
             else:
                 made = x_bytes[i + 1]
-                peak_bytes = max(peak_bytes, alive_bytes + max(blk.none_fwd_peak_bytes, made))
+                peak_bytes = max(peak_bytes, alive_bytes + blk.side_bytes + max(blk.none_fwd_peak_bytes, made))
                 time_ms += blk.none_fwd_ms
             alive_bytes += made
             x_alive[i + 1] = True
@@ -169,7 +170,7 @@ def replay(blocks: Sequence[ChainBlock], actions: Sequence[ChainAction]) -> tupl
                 raise InvalidScheduleError(f"chain replay: step {k} {a} reads δ_{i + 1}, which is not alive")
             opt = blk.options[a.option]
             made = blk.grad_input_bytes + blk.param_grad_bytes
-            peak_bytes = max(peak_bytes, alive_bytes + max(opt.bwd_peak_bytes, made))
+            peak_bytes = max(peak_bytes, alive_bytes + blk.side_bytes + max(opt.bwd_peak_bytes, made))
             time_ms += opt.bwd_ms
             alive_bytes += made - opt.kept_bytes
             del kept_option[i]
@@ -215,15 +216,18 @@ def _slot_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -
     x = np.array([0] + [up(b.output_bytes) for b in blocks], dtype=np.int64)
     delta = np.array([up(b.grad_input_bytes) for b in blocks] + [0], dtype=np.int64)
     pg = [up(b.param_grad_bytes) for b in blocks]
+    side = [up(b.side_bytes) for b in blocks]
     kept, fwd_eff, bwd_eff, fb_ms = [], [], [], []
     for i, b in enumerate(blocks):
         k = np.array([up(o.kept_bytes) for o in b.options], dtype=np.int64)
         kept.append(k)
-        fwd_eff.append(np.maximum(np.array([up(o.fwd_peak_bytes) for o in b.options], dtype=np.int64), x[i + 1] + k))
-        bwd_eff.append(np.maximum(np.array([up(o.bwd_peak_bytes) for o in b.options], dtype=np.int64),
-                                  delta[i] + pg[i]))
+        fwd_eff.append(side[i] + np.maximum(np.array([up(o.fwd_peak_bytes) for o in b.options], dtype=np.int64),
+                                            x[i + 1] + k))
+        bwd_eff.append(side[i] + np.maximum(np.array([up(o.bwd_peak_bytes) for o in b.options], dtype=np.int64),
+                                            delta[i] + pg[i]))
         fb_ms.append(np.array([o.fwd_ms + o.bwd_ms for o in b.options], dtype=np.float64))
-    none_eff = np.array([max(up(b.none_fwd_peak_bytes), int(x[i + 1])) for i, b in enumerate(blocks)], dtype=np.int64)
+    none_eff = np.array([side[i] + max(up(b.none_fwd_peak_bytes), int(x[i + 1])) for i, b in enumerate(blocks)],
+                        dtype=np.int64)
     return _SlotChain(
         x=x, delta=delta, pg_prefix=np.concatenate([[0], np.cumsum(pg)]).astype(np.int64),
         none_eff=none_eff,

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from remat_plugin.bench.models import BenchModel, build
-from remat_plugin.bench.peers import EAGER_PEERS, compiled_memory_budget
+from remat_plugin.bench.peers import EAGER_PEERS, applicable_peers, compiled_memory_budget
 from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, plan_timed, time_ratios
 from remat_plugin.capture.memory_meter import PeakMeter, StorageTracker, measure_peak_profiler
 from remat_plugin.ir.problem import Schedule
@@ -111,7 +111,7 @@ def run_compare(settings: CompareSettings) -> dict[str, Any]:
 def compare_model(bench: BenchModel, settings: CompareSettings) -> tuple[list[Point], dict[str, Any]]:
     """All strategies on one model (module docstring); returns its points and its timelines."""
     ctx = _Context(bench, settings)
-    points = [ctx.measure(name, name, _eager_step(bench, name)) for name in EAGER_PEERS]
+    points = [ctx.measure(name, name, _eager_step(bench, name)) for name in applicable_peers(bench, EAGER_PEERS)]
     for ratio in settings.amb_ratios:
         points.append(_compiled_point(ctx, ratio))
     timeline: dict[str, Any] = {"series": {"none measured": ctx.record_timeline(_eager_step(bench, "none"))}}

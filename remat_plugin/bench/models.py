@@ -12,51 +12,20 @@ hidden tensor. That is what lets a peer checkpoint a run of several layers as on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "BenchModel", "bert_tiny", "build", "gpt2_tiny", "mlp_chain", "resnet_tiny"]
+from remat_plugin.bench.bench_model import Batch, BenchModel, generator, seeded
+from remat_plugin.bench.model_families import llama_tiny, mistral_tiny, padding_mask, t5_tiny, unet_tiny
 
-Batch = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-@dataclass
-class BenchModel:
-    """A model plus everything a benchmark needs to run one training step of it."""
-
-    name: str
-    module: nn.Module  # in train mode; dropout active
-    make_batch: Callable[[int], Batch]  # seed -> (args, kwargs) for module(*args, **kwargs)
-    loss: Callable[[Any], torch.Tensor]  # module output -> scalar loss to call backward on
-    # Repeated layers, in call order; each maps the previous one's hidden tensor to the next (module docstring).
-    layers: list[nn.Module]
-    # Per-layer checkpointing through the model's own switch (HF gradient_checkpointing_enable) when it has one.
-    hf_gradient_checkpointing: bool = False
-    meta: dict[str, Any] = field(default_factory=dict)  # sizes, for reports
-
-    def step(self, batch: Batch) -> torch.Tensor:
-        """Forward of the unmodified module on ``batch``; returns the loss."""
-        args, kwargs = batch
-        return self.loss(self.module(*args, **kwargs))
-
-
-@contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Build under ``seed`` without moving the caller's global RNG."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
+__all__ = [
+    "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mlp_chain", "resnet_tiny",
+    "t5_tiny", "unet_tiny",
+]  # fmt: skip
 
 # --- gpt2-tiny ---------------------------------------------------------------------------------
 
@@ -92,12 +61,12 @@ def gpt2_tiny(
     )
     if seq_len > config.n_positions:
         raise ValueError(f"bench.models: seq_len {seq_len} exceeds n_positions {config.n_positions}; lower seq_len.")
-    with _seeded(seed):
+    with seeded(seed):
         module = GPT2LMHeadModel(config).to(device=device, dtype=dtype).train()  # type: ignore[call-arg]
     module.loss_type = "ForCausalLM"  # HF's default, named so it does not warn that none was set
 
     def make_batch(batch_seed: int) -> Batch:
-        input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=_generator(batch_seed))
+        input_ids = torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator(batch_seed))
         input_ids = input_ids.to(device)
         return (), {"input_ids": input_ids, "labels": input_ids}
 
@@ -128,7 +97,8 @@ def bert_tiny(
     An encoder next to gpt2-tiny's decoder: bidirectional attention, post-LayerNorm, an MLM head
     (dense + GELU + LayerNorm before the decoder) whose activations the checkpointing peers never
     touch. The vocabulary is cut to 1000 tokens for the same reason as gpt2-tiny's. The batch
-    masks 15% of the positions, as BERT pre-training does; only those carry a label.
+    masks 15% of the positions, as BERT pre-training does; only those carry a label. Sequences are
+    padded at the end (``attention_mask``), as a collator pads a batch of uneven texts.
     """
     from transformers import BertConfig, BertForMaskedLM  # optional dependency; only this model needs it
 
@@ -151,16 +121,19 @@ def bert_tiny(
             f"bench.models: seq_len {seq_len} exceeds max_position_embeddings {config.max_position_embeddings};"
             " lower seq_len."
         )
-    with _seeded(seed):
+    with seeded(seed):
         module = BertForMaskedLM(config).to(device=device, dtype=dtype).train()  # type: ignore[call-arg]
 
     def make_batch(batch_seed: int) -> Batch:
-        gen = _generator(batch_seed)
+        gen = generator(batch_seed)
         tokens = torch.randint(1, mask_token_id, (batch_size, seq_len), generator=gen)
         masked = torch.rand(batch_size, seq_len, generator=gen) < 0.15
         input_ids = torch.where(masked, torch.full_like(tokens, mask_token_id), tokens)
-        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))  # -100: ignored by the loss
-        return (), {"input_ids": input_ids.to(device), "labels": labels.to(device)}
+        attention_mask = padding_mask(batch_size, seq_len, gen)
+        input_ids = torch.where(attention_mask.bool(), input_ids, torch.zeros_like(input_ids))  # 0: [PAD]
+        labels = torch.where(masked & attention_mask.bool(), tokens, torch.full_like(tokens, -100))  # -100: ignored
+        return (), {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+                    "labels": labels.to(device)}
 
     return BenchModel(
         name="bert-tiny" if n_layer == 4 else f"bert-tiny-{n_layer}l",
@@ -179,7 +152,7 @@ def _labelled_batches(
     """``make_batch`` for ``forward(x, y)`` classifiers: seeded normal inputs of ``shape`` and class labels."""
 
     def make_batch(batch_seed: int) -> Batch:
-        gen = _generator(batch_seed)
+        gen = generator(batch_seed)
         x = torch.randn(*shape, generator=gen, dtype=dtype).to(device)
         y = torch.randint(0, n_classes, (shape[0],), generator=gen).to(device)
         return (x, y), {}
@@ -212,7 +185,7 @@ def mlp_chain(
     device: torch.device | str = "cpu",
 ) -> BenchModel:
     """``n_blocks`` x (Linear(width, width) + GELU + Dropout(0.1)), a linear head, cross-entropy loss."""
-    with _seeded(seed):
+    with seeded(seed):
         blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1)) for _ in range(n_blocks)]
         module = _ClassifierLoss(nn.Sequential(*blocks), nn.Linear(width, n_classes))
     module = module.to(device=device, dtype=dtype).train()
@@ -281,7 +254,7 @@ def resnet_tiny(
     device: torch.device | str = "cpu",
 ) -> BenchModel:
     """:class:`ResNetTiny` on ``batch_size`` x 3 x 32 x 32 images; ``forward(x, y)`` returns the loss."""
-    with _seeded(seed):
+    with seeded(seed):
         module = ResNetTiny(n_classes)
     module = module.to(device=device, dtype=dtype).train()
 
@@ -300,6 +273,10 @@ MODELS: dict[str, Callable[..., BenchModel]] = {
     "gpt2-tiny": gpt2_tiny,
     "mlp-chain": mlp_chain,
     "resnet-tiny": resnet_tiny,
+    "llama-tiny": llama_tiny,
+    "mistral-tiny": mistral_tiny,
+    "t5-tiny": t5_tiny,
+    "unet-tiny": unet_tiny,
 }
 
 

@@ -36,12 +36,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from remat_plugin.bench.models import BenchModel
+from remat_plugin.bench.bench_model import BenchModel
 from remat_plugin.planning.baselines import sqrt_n_segments
 from remat_plugin.runtime.forward_swap import swapped_forwards
 
 __all__ = [
-    "EAGER_PEERS", "EXPENSIVE_OPS", "Step", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",
+    "EAGER_PEERS", "EXPENSIVE_OPS", "Step", "applicable_peers", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",
     "sqrt_n", "sqrt_n_segments",
 ]  # fmt: skip
 
@@ -163,6 +163,12 @@ EAGER_PEERS: dict[str, Callable[[BenchModel], Any]] = {
     "sqrt_n": sqrt_n,
     "drop_cheap": drop_cheap,
 }
+
+
+def applicable_peers(bench: BenchModel, names) -> list[str]:
+    """``names`` without the peers that cannot run on ``bench``: sqrt(n) segments of several layers
+    need the layers to form one chain (not an encoder-decoder's two stacks or a U-Net's levels)."""
+    return [name for name in names if name != "sqrt_n" or bench.layers_chain]
 
 
 # NOTE [segment patching]

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from remat_plugin.bench.models import BenchModel, build
-from remat_plugin.bench.peers import EAGER_PEERS, Step
+from remat_plugin.bench.peers import EAGER_PEERS, Step, applicable_peers
 from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import InfeasibleBudgetError, RematError
 from remat_plugin.runtime.module import RematModule, rematerialize
@@ -94,7 +94,7 @@ def run_model(
     log.info("%s: none peak %d bytes", bench.name, none_peak)
     context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
 
-    rows = [context.row(name, _peer_step(bench, name)) for name in RUN_PEERS]
+    rows = [context.row(name, _peer_step(bench, name)) for name in applicable_peers(bench, RUN_PEERS)]
     min_feasible_bytes: int | None = None  # the plan's problem does not depend on the budget
     for fraction in budgets:
         row, min_feasible_bytes = _ours_row(context, fraction, min_feasible_bytes)

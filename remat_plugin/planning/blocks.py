@@ -5,18 +5,24 @@ is still read by a later forward op: that value is the chain activation x.  Resi
 adds need no special case: after the add only the new hidden state crosses the cut.
 
 NOTE [side values]
-    Some values are read by every layer: attention masks built from an input, rotary
-    tables, T5's position bias, an encoder output read by each cross-attention, a
-    U-Net's long skips.  Counted as crossing, they leave no 1-separator and glue the
-    model into one block.  So values whose forward lifetime is far longer than the
-    others' (the top of the largest gap in the sorted spans, at least
-    :data:`SIDE_MIN_SPAN` ops and :data:`SIDE_GAP` times the next span) are *side
-    values*: they do not count when looking for cuts, stay with the block that makes
-    them (alive to its end), are external inputs of the blocks that read them, and are
-    charged to the memory of every later block (:attr:`Block.side_bytes`), so the chain
-    DP sees them.  Ops that depend on no user input (position ranges, rotary tables from
-    the ``inv_freq`` buffer) are constants: made once, in no block.  Side values are
-    used only when they give more cuts than the plain 1-separators.
+    Some values are read by every layer: attention masks, rotary tables, T5's position
+    bias, an encoder output read by each cross-attention, a U-Net's long skips.  Counted
+    as crossing, they leave no 1-separator and glue the model into one block.
+
+    - Constants: forward ops that do not mix a user input with a trainable tensor (rotary
+      tables from the ``inv_freq`` buffer, masks from ``attention_mask``, position ranges)
+      are made once in the forward and belong to no block, unless only one block reads
+      them: then they join it and can be freed and recomputed there.
+    - Side values: when the plain 1-separators still leave a block with more than
+      :data:`GLUED_SHARE` of the forward ops, the values that outlive all others (the top
+      of the largest gap in the sorted lifetimes, at least :data:`SIDE_MIN_SPAN` ops and
+      :data:`SIDE_GAP` times the next) are left out of the cut search, provided that gives
+      more cuts.  (In a model that is already cut into layers, the longest values are the
+      residual streams, which the chain should keep choosing to store or recompute.)
+      A side value stays with the block that makes it (alive to that block's end) and is
+      an external input of the blocks that read it.
+    - Both are charged to the memory of every block they are alive across
+      (:attr:`Block.side_bytes`), so the chain DP counts them.
 
 Backward ops join the block whose forward values they read (the earliest one, since
 backward runs blocks in reverse), so each block's forward+backward is a small
@@ -24,6 +30,7 @@ backward runs blocks in reverse), so each block's forward+backward is a small
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections import Counter
@@ -36,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SIDE_MIN_SPAN = 16  # forward ops a side value must stay alive across
 SIDE_GAP = 2.0  # a side value outlives every non-side value by at least this factor
-GLUED_SHARE = 0.5  # a block holding more of the forward ops than this is reported as glued
+GLUED_SHARE = 0.4  # a block holding more of the forward ops than this is glued: look for side values
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,9 @@ class _Lifetimes:
 def side_values(problem: Problem, constants: set[str]) -> frozenset[str]:
     """The values left out when looking for cuts; see NOTE [side values]."""
     life = _Lifetimes.of(problem, constants)
+    plain = _cuts(life, frozenset(), 2)
+    if _largest_block(plain, len(life.fwd)) <= GLUED_SHARE * len(life.fwd):
+        return frozenset()  # the plain 1-separators already cut the model into layers
     spans = sorted(((r - life.made_at[v], v) for v, r in life.last_read.items()), reverse=True)
     best_k, best_gap = 0, SIDE_GAP
     for k in range(1, len(spans) + 1):
@@ -93,9 +103,14 @@ def side_values(problem: Problem, constants: set[str]) -> frozenset[str]:
         if gap >= best_gap:
             best_k, best_gap = k, gap
     side = frozenset(v for _, v in spans[:best_k])
-    if side and len(_cuts(life, side, 2)) <= len(_cuts(life, frozenset(), 2)):
+    if side and len(_cuts(life, side, 2)) <= len(plain):
         return frozenset()
     return side
+
+
+def _largest_block(cuts: list[tuple[int, str]], n: int) -> int:
+    bounds = [-1, *(i for i, _ in cuts), n - 1]
+    return max(b - a for a, b in itertools.pairwise(bounds))
 
 
 def _cuts(life: _Lifetimes, side: frozenset[str], min_fwd_ops: int) -> list[tuple[int, str]]:
@@ -135,7 +150,7 @@ def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> 
         value_block = {v: block_of_op[o.name] for o in problem.fwd_ops if o.name in block_of_op
                        for v in o.outputs if v not in side}
         bwd_group = _group_backward(problem, value_block, n_blocks)
-    charges = _side_charges(problem, {**block_of_op, **bwd_group}, set(x for x in xs if x), n_blocks)
+    charges = _side_charges(problem, {**block_of_op, **bwd_group}, {x for x in xs if x}, n_blocks)
     blocks = []
     for k in range(n_blocks):
         f = tuple(o.name for o in problem.fwd_ops if block_of_op.get(o.name) == k)

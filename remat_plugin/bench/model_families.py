@@ -80,12 +80,12 @@ def t5_tiny(n_layer: int = 2, batch_size: int = 4, seq_len: int = 128, dtype: to
     """
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(
+    config = T5Config(  # type: ignore[call-arg]
         vocab_size=VOCAB, d_model=128, d_kv=32, d_ff=344, num_layers=n_layer, num_decoder_layers=n_layer,
         num_heads=4, dropout_rate=0.1, use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
     with seeded(seed):
-        module = T5ForConditionalGeneration(config).to(device=device, dtype=dtype).train()
+        module = T5ForConditionalGeneration(config).to(device=device, dtype=dtype).train()  # type: ignore[call-arg]
     target_len = max(2, seq_len // 2)
 
     def make_batch(batch_seed: int) -> Batch:

@@ -7,13 +7,14 @@ simulated peak fits.
 """
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
 from remat_plugin.planning.menus import Planner
 from remat_plugin.planning.solvers.chain import ChainAction, ChainPlan
-from remat_plugin.planning.solvers.ilp import block_option, solve_schedule
 
 ScheduleCandidate = tuple[Schedule, Simulation, ChainPlan | None]  # a schedule, its simulation, its chain plan
 
@@ -62,18 +63,19 @@ def refine(planner: Planner, budget_bytes: int, best, rounds: int = 2):
                 used.setdefault(planner.blocks[k].key, []).append(k)
         if slack <= 0 or not used:
             return best
-        added = False
-        for ks in used.values():
-            block = planner.blocks[ks[0]]
+        requests = []
+        for key, ks in used.items():
             cur = planner.menus[ks[0]][chosen[ks[0]]]
             share = slack // len(ks)
-            peak = max(cur.fwd_peak_bytes, cur.bwd_peak_bytes) + share
-            sched = solve_schedule(block.problem, peak, cur.kept_bytes + share, planner.ilp_time_limit_s)
-            if sched is not None:
-                opt = block_option(block.problem, sched)
-                if opt.bwd_ms < cur.bwd_ms:
-                    planner.add_option(block, opt)
-                    added = True
+            requests.append((key, cur, max(cur.fwd_peak_bytes, cur.bwd_peak_bytes) + share, cur.kept_bytes + share))
+        # HiGHS releases the GIL while it solves: block types are re-solved side by side.
+        with ThreadPoolExecutor(max_workers=max(1, min(len(requests), os.cpu_count() or 1, 4))) as pool:
+            answers = list(pool.map(lambda r: planner.solve_block(r[0], r[2], r[3]), requests))
+        added = False
+        for (key, cur, _, _), opt in zip(requests, answers):
+            if opt is not None and opt.bwd_ms < cur.bwd_ms:
+                planner.add_option(planner.first_of[key], opt)
+                added = True
         if not added:
             return best
         found = fastest_fitting(planner, budget_bytes)

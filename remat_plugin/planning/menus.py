@@ -5,6 +5,7 @@ every budget tried for a problem.
 """
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -13,7 +14,17 @@ from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
 from remat_plugin.planning.blocks import Block, forward_only_peak, make_blocks, rename_schedule
 from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
-from remat_plugin.planning.solvers.ilp import BlockOption, block_menu
+from remat_plugin.planning.solvers.greedy_menu import greedy_menu
+from remat_plugin.planning.solvers.ilp import BlockIlp, BlockOption, block_menu, block_option, solve_schedule
+
+log = logging.getLogger(__name__)
+
+# NOTE [big blocks]
+#     A block that could not be cut (its values glued, see planning.blocks) can hold hundreds of
+#     forward ops; the ILP's variables grow with the square of that (541K variables and minutes of
+#     building at 8 glued Llama layers).  Above this many forward ops a block's menu comes from
+#     greedy.greedy_menu instead (every option checked by the simulator), and the plan says so.
+MAX_ILP_FWD_OPS = 120
 
 
 def _moved(option: BlockOption, source: Block, target: Block) -> BlockOption:
@@ -38,17 +49,23 @@ class Planner:
     menus: list[tuple[BlockOption, ...]] = field(default_factory=list)
     chain: list[ChainBlock] = field(default_factory=list)
     n_unique: int = 0
+    first_of: dict[tuple, Block] = field(default_factory=dict)  # block key -> the block its menu was solved on
+    ilps: dict[tuple, BlockIlp] = field(default_factory=dict)  # block key -> its ILP model, for re-solving
+    greedy_blocks: list[int] = field(default_factory=list)  # blocks too big for the ILP (NOTE [big blocks])
 
     def prepare(self, progress=None) -> None:
         self.blocks = make_blocks(self.problem, self.constants)
-        first_of: dict[tuple, Block] = {}
+        first_of = self.first_of
         for b in self.blocks:
             first_of.setdefault(b.key, b)
         self.n_unique = len(first_of)
 
         def menu_of(b: Block) -> tuple[BlockOption, ...]:
+            if len(b.fwd_ops) > MAX_ILP_FWD_OPS:
+                return greedy_menu(b.problem)
             grid = _menu_grid(len(b.problem.ops))
-            return block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s)
+            ilp = self.ilps[b.key] = BlockIlp.build(b.problem)
+            return block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s, ilp=ilp)
 
         # HiGHS releases the GIL while it solves: unique blocks' menus are solved side by side.
         solved: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] = {}
@@ -63,6 +80,18 @@ class Planner:
             src, menu = solved[b.key]
             self.menus.append(menu if src is b else tuple(_moved(o, src, b) for o in menu))
         self.chain = [self._chain_block(b, m) for b, m in zip(self.blocks, self.menus)]
+        self.greedy_blocks = [b.index for b in self.blocks if len(b.fwd_ops) > MAX_ILP_FWD_OPS]
+        if self.greedy_blocks:
+            log.warning("remat_plugin: blocks %s have more than %d forward ops; their options come from a greedy "
+                        "keep/recompute rule, not the ILP", self.greedy_blocks, MAX_ILP_FWD_OPS)
+
+    def solve_block(self, key: tuple, peak_bytes: int, kept_bytes: int) -> BlockOption | None:
+        """The least-recompute option of block type ``key`` within the budgets (its ILP, built once), or None."""
+        block, ilp = self.first_of[key], self.ilps.get(key)
+        if ilp is None:
+            return None  # a greedy block: no ILP to refine with
+        sched = solve_schedule(block.problem, peak_bytes, kept_bytes, self.ilp_time_limit_s, ilp=ilp)
+        return None if sched is None else block_option(block.problem, sched)
 
     def _chain_block(self, b: Block, menu: tuple[BlockOption, ...]) -> ChainBlock:
         size = (lambda v: self.problem.value(v).size_bytes if v else 0)

@@ -368,17 +368,20 @@ def solve_schedule(
     time_limit_s: float = 5.0,
     *,
     solver: str | None = None,
+    ilp: BlockIlp | None = None,
 ) -> Schedule | None:
     """Least-recompute-time schedule within the budgets, or None if infeasible / not solved in time.
 
     None comes only after the LP-relaxation rounding fallback also failed the simulator check.
 
-    ``solver`` is ``"highs"`` or ``"cbc"``; by default HiGHS when installed.
+    ``solver`` is ``"highs"`` or ``"cbc"``; by default HiGHS when installed.  ``ilp``: the model of
+    ``problem`` built earlier (building it costs about as much as solving it once).
     """
     keep_all = Schedule.keep_all(problem)
     if simulate_within(problem, keep_all, peak_budget_bytes, kept_budget_bytes) is not None:
         return keep_all  # no recomputation: optimal
-    found = BlockIlp.build(problem, solver).solve(peak_budget_bytes, kept_budget_bytes, time_limit_s)
+    ilp = ilp if ilp is not None and ilp.problem is problem else BlockIlp.build(problem, solver)
+    found = ilp.solve(peak_budget_bytes, kept_budget_bytes, time_limit_s)
     return None if found is None else found[0]
 
 
@@ -443,6 +446,7 @@ def block_menu(
     time_limit_s: float = 5.0,
     *,
     solver: str | None = None,
+    ilp: BlockIlp | None = None,
 ) -> tuple[BlockOption, ...]:
     """Pareto menu over a grid of (peak budget, kept budget) pairs.
 
@@ -452,7 +456,7 @@ def block_menu(
     """
     keep_all = Schedule.keep_all(problem)
     sim_all = simulate(problem, keep_all)
-    ilp = BlockIlp.build(problem, solver)
+    ilp = ilp if ilp is not None and ilp.problem is problem else BlockIlp.build(problem, solver)
     big = sim_all.peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1  # no budget
     found = [_Found(keep_all, sim_all, (big, big), {})]  # keep-all is optimal wherever it fits
     for objective in ("kept", "peak"):  # the grid's low ends, then the least recompute there

@@ -95,8 +95,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     if not find_floor and base.peak_bytes <= budget_bytes:
         return _unmodified_plan(problem, base, user_budget_bytes, t0), keep_all
     planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s, progress)
-    dp_min = planner.min_dp_budget()
-    floor = planner.try_budget(dp_min)
+    floor = planner.lowest_peak_candidate()
     min_feasible = budget_for_peak(min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes)
     chosen: ScheduleCandidate | None = None
     if base.peak_bytes <= budget_bytes:

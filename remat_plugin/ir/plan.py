@@ -48,6 +48,7 @@ class Plan:
     timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
     baseline_timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
     n_fwd_ops: int = 0
+    notes: tuple[str, ...] = ()  # what the user should know about how it was found (glued blocks, greedy menus)
 
     @property
     def predicted_overhead(self) -> float:
@@ -63,7 +64,7 @@ class Plan:
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
-        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes"):
+        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes"):
             data[name] = tuple(data.get(name, ()))
         return Plan(**data)
 
@@ -84,6 +85,7 @@ class Plan:
             ),
             f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recomputed':>10} {'recompute ms':>12}",
         ]
+        lines[2:2] = [f"note: {note}" for note in self.notes]
         for b in self.blocks:
             lines.append(f"{b.index:>5} {b.n_fwd_ops:>7} {b.mode:>10} {human_bytes(b.kept_bytes):>12} "
                          f"{b.n_recomputed_ops:>10} {b.recompute_ms:>12.3f}")

@@ -157,7 +157,6 @@ def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> 
         g = tuple(o.name for o in problem.bwd_ops if bwd_group[o.name] == k)
         sub = _subproblem(problem, set(f) | set(g), exclude_live={xs[k + 1]})
         blocks.append(Block(k, f, g, xs[k], xs[k + 1], sub, _canonical_key(sub), charges[k]))
-    _warn_if_glued(life, side, blocks)
     return blocks
 
 
@@ -220,20 +219,18 @@ def _side_charges(problem: Problem, block_of: dict[str, int], chain_values: set[
     return charges
 
 
-def _warn_if_glued(life: _Lifetimes, side: frozenset[str], blocks: list[Block]) -> None:
-    """Name the values that keep a big block from being cut, so the user can see why planning is slow."""
+def glued_values(problem: Problem, constants: set[str], blocks: list[Block], top: int = 4) -> list[str]:
+    """The values alive across most of a block that holds more than :data:`GLUED_SHARE` of the forward
+    ops (named with the forward positions they live between), or [] when no block is that big."""
+    life = _Lifetimes.of(problem, constants)
     n = len(life.fwd)
     biggest = max(blocks, key=lambda b: len(b.fwd_ops))
-    if n < 100 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
-        return
-    start = next(i for i, o in enumerate(life.fwd) if o.name == biggest.fwd_ops[0])
-    crossing = life.crossing(side)[start:start + len(biggest.fwd_ops)]
+    if n < 20 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
+        return []
+    inside = {o for o in biggest.fwd_ops}
+    crossing = [c for o, c in zip(life.fwd, life.crossing(side_values(problem, constants))) if o.name in inside]
     counts = Counter(v for c in crossing for v in c)
-    glue = [f"{v} ({life.made_at[v]}..{life.last_read[v]})" for v, _ in counts.most_common(4)]
-    log.warning(
-        "remat_plugin: block %d holds %d of %d forward ops: values alive across it keep it from being cut: %s. "
-        "It is planned as one block (slower to plan, less memory saved).",
-        biggest.index, len(biggest.fwd_ops), n, ", ".join(glue))
+    return [f"{v} (made by op {life.made_at[v]}, read until op {life.last_read[v]})" for v, _ in counts.most_common(top)]
 
 
 def _group_backward(problem: Problem, value_block: dict[str, int], n_blocks: int) -> dict[str, int]:

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field, replace
 
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
-from remat_plugin.planning.blocks import Block, forward_only_peak, make_blocks, rename_schedule
+from remat_plugin.planning.blocks import (
+    GLUED_SHARE,
+    Block,
+    forward_only_peak,
+    glued_values,
+    make_blocks,
+    rename_schedule,
+)
 from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
 from remat_plugin.planning.solvers.greedy_menu import greedy_menu
 from remat_plugin.planning.solvers.ilp import BlockIlp, BlockOption, block_menu, block_option, solve_schedule
@@ -53,6 +60,7 @@ class Planner:
     ilps: dict[tuple, BlockIlp] = field(default_factory=dict)  # block key -> its ILP model, for re-solving
     greedy_blocks: list[int] = field(default_factory=list)  # blocks too big for the ILP (NOTE [big blocks])
     lowest: tuple[Schedule, Simulation, ChainPlan] | None = None  # see lowest_peak_candidate
+    notes: list[str] = field(default_factory=list)  # for Plan.notes
 
     def prepare(self, progress=None) -> None:
         self.blocks = make_blocks(self.problem, self.constants)
@@ -83,8 +91,14 @@ class Planner:
         self.chain = [self._chain_block(b, m) for b, m in zip(self.blocks, self.menus)]
         self.greedy_blocks = [b.index for b in self.blocks if len(b.fwd_ops) > MAX_ILP_FWD_OPS]
         if self.greedy_blocks:
-            log.warning("remat_plugin: blocks %s have more than %d forward ops; their options come from a greedy "
-                        "keep/recompute rule, not the ILP", self.greedy_blocks, MAX_ILP_FWD_OPS)
+            self.notes.append(f"blocks {self.greedy_blocks} have more than {MAX_ILP_FWD_OPS} forward ops: their options "
+                              "come from a greedy keep/recompute rule checked by the simulator, not the ILP")
+        glue = glued_values(self.problem, self.constants, self.blocks)
+        if glue:
+            self.notes.append(f"a block holds more than {GLUED_SHARE:.0%} of the forward ops; values alive across it "
+                              f"keep it from being cut: {', '.join(glue)}")
+        for note in self.notes:
+            log.warning("remat_plugin: %s", note)
 
     def solve_block(self, key: tuple, peak_bytes: int, kept_bytes: int) -> BlockOption | None:
         """The least-recompute option of block type ``key`` within the budgets (its ILP, built once), or None."""

@@ -1,6 +1,6 @@
-"""Planning-time benchmark: cold planning of gpt2-tiny (4 and 12 layers) and chain-DP speed.
+"""Planning-time benchmark: cold planning of a model at two depths, and chain-DP speed.
 
-    python -m remat_plugin.bench.planning_time [--budget 0.5]
+    python -m remat_plugin.bench.planning_time [--model llama-tiny] [--layers 4,16] [--budget 0.5]
 
 Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
 menus: capture + profile + every solve.  The DP is timed on synthetic chains of 14 and
@@ -20,9 +20,9 @@ _COLD = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch
-from remat_plugin.bench.models import gpt2_tiny
+from remat_plugin.bench.models import build
 from remat_plugin.runtime.module import rematerialize
-bench = gpt2_tiny(n_layer={n_layer})
+bench = build({model!r}, n_layer={n_layer})
 args, kwargs = bench.make_batch(0)
 t1 = time.perf_counter()
 rm = rematerialize(bench.module, args, kwargs, budget={budget})
@@ -32,8 +32,8 @@ print(json.dumps({{"n_layer": {n_layer}, "plan_s": t2 - t1, "blocks": len(rm.pla
 """
 
 
-def cold_plan(n_layer: int, budget_bytes: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _COLD.format(n_layer=n_layer, budget=budget_bytes)],
+def cold_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _COLD.format(model=model, n_layer=n_layer, budget=budget_bytes)],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -61,26 +61,30 @@ def dp_time_ms(n_blocks: int, n_options: int = 10, n_slots: int = 500, repeats: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=float, default=0.5, help="share of the 4-layer keep-all peak")
+    parser.add_argument("--model", default="llama-tiny", help="a bench model with an n_layer argument")
+    parser.add_argument("--layers", default="4,16", help="the two depths to plan, comma-separated")
+    parser.add_argument("--budget", type=float, default=0.5, help="share of each depth's keep-all peak")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args()
-    from remat_plugin.bench.models import gpt2_tiny
+    from remat_plugin.bench.models import build
     from remat_plugin.runtime.module import rematerialize
 
-    results: dict = {"cold": [], "dp_ms": {}}
-    for n_layer in (4, 12):
-        bench = gpt2_tiny(n_layer=n_layer)
+    depths = [int(n) for n in opts.layers.split(",")]
+    results: dict = {"model": opts.model, "cold": [], "dp_ms": {}}
+    for n_layer in depths:
+        bench = build(opts.model, n_layer=n_layer)
         args, kwargs = bench.make_batch(0)
         plan = rematerialize(bench.module, args, kwargs, budget=10**12).plan
         assert plan is not None
         base = plan.baseline_peak_bytes
-        results["cold"].append(cold_plan(n_layer, int(base * opts.budget)))
+        results["cold"].append(cold_plan(opts.model, n_layer, int(base * opts.budget)))
     for n in (14, 100):
         results["dp_ms"][n] = dp_time_ms(n)
-    c4, c12 = results["cold"]
-    print(f"cold planning gpt2-tiny 4 layers: {c4['plan_s']:.1f} s ({c4['blocks']} blocks, {c4['unique_blocks']} unique)")
-    print(f"cold planning gpt2-tiny 12 layers: {c12['plan_s']:.1f} s ({c12['blocks']} blocks,"
-          f" {c12['unique_blocks']} unique); ratio {c12['plan_s'] / c4['plan_s']:.2f}x")
+    for c in results["cold"]:
+        print(f"cold planning {opts.model} {c['n_layer']} layers: {c['plan_s']:.1f} s ({c['blocks']} blocks,"
+              f" {c['unique_blocks']} unique)")
+    first, last = results["cold"][0], results["cold"][-1]
+    print(f"ratio {last['n_layer']} / {first['n_layer']} layers: {last['plan_s'] / first['plan_s']:.2f}x")
     for n, ms in results["dp_ms"].items():
         print(f"chain DP, {n} blocks x 10 options, 500 slots: {ms:.1f} ms")
     if opts.json:

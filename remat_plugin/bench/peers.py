@@ -88,6 +88,9 @@ def per_layer_checkpoint(bench: BenchModel) -> Iterator[Step]:
 @contextmanager
 def sqrt_n(bench: BenchModel) -> Iterator[Step]:
     """Chen's sqrt(n) segmentation: checkpoint each of about sqrt(n) runs of consecutive layers."""
+    if not bench.layers_chain:
+        raise ValueError(f"bench.peers: sqrt_n needs {bench.name}'s layers to form one chain (each layer's output the "
+                         "next one's input); it has several stacks. Use per_layer instead.")
     with _checkpoint_segments(bench.layers, sqrt_n_segments(len(bench.layers))):
         yield _step(bench)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -94,6 +95,43 @@ class PreLnLayer(nn.Module):
         return F.mse_loss(x, y)
 
 
+class MiniLlama(nn.Module):
+    """Two Llama layers written out: RMSNorm, rotary tables from an ``inv_freq`` buffer, an additive
+    mask built from an ``attention_mask`` input, SwiGLU MLP; MSE loss."""
+
+    def __init__(self, d: int = 16, n_layers: int = 2) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+        self.layers = nn.ModuleList(nn.ModuleDict({
+            "qkv": nn.Linear(d, 3 * d, bias=False), "o": nn.Linear(d, d, bias=False),
+            "up": nn.Linear(d, 2 * d, bias=False), "down": nn.Linear(d, d, bias=False),
+        }) for _ in range(n_layers))
+        self.norms = nn.Parameter(torch.ones(2 * n_layers, d))
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def forward(self, x, attention_mask, y):
+        b, t, d = x.shape
+        freqs = torch.outer(torch.arange(t, dtype=torch.float32), self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.zeros(b, t, t).masked_fill(~(causal & attention_mask[:, None, :].bool()), -1e9)
+        for i, layer in enumerate(self.layers):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norms[2 * i]
+            q, k, v = layer["qkv"](h).split(d, dim=-1)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d) + mask, dim=-1) @ v
+            x = x + layer["o"](att)
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norms[2 * i + 1]
+            gate, up = layer["up"](h).chunk(2, dim=-1)
+            x = x + layer["down"](F.silu(gate) * up)
+        return F.mse_loss(x, y)
+
+
 def _deterministic(problem: Problem, constants: set[str]) -> tuple[Problem, set[str]]:
     """The captured graph with op times from a fixed cost model (bytes written + a per-op cost).
 
@@ -128,7 +166,28 @@ def _transformer() -> tuple[Problem, set[str]]:
     )
 
 
+def _llama_with_mask() -> tuple[Problem, set[str]]:
+    g = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        module = MiniLlama()
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1:, 12:] = 0  # padding at the end of three sequences
+    x, y = torch.randn(4, 16, 16, generator=g), torch.randn(4, 16, 16, generator=g)
+    return _deterministic(*capture_problem(module, (x, mask, y)))
+
+
 GRAPHS = {"mlp6": _mlp, "preln_layer": _transformer}
+# The 2-layer Llama with a mask has 197 ops: its whole-graph ILP takes about 13 minutes here and does not
+# prove optimality at the two tightest budgets within ILP_TIME_LIMIT_S, so it runs only when asked:
+#     REMAT_EXHAUSTIVE=1 .venv/bin/python -m pytest -q -s tests/test_plan_quality.py -k llama
+# (measured 2026-11-23: ours/ILP geometric mean 1.015; our smallest budget 1.13x the ILP's least peak found,
+# and at that budget the ILP found no schedule in 60 s).
+if os.environ.get("REMAT_EXHAUSTIVE") == "1":
+    GRAPHS["llama2_mask"] = _llama_with_mask
+    MAX_GEO_RATIO["llama2_mask"] = 1.05
+    MAX_MIN_BUDGET_RATIO["llama2_mask"] = 1.2
+PROVEN_OPTIMAL_NOT_REQUIRED = {"llama2_mask"}  # compared with the ILP's best schedule where it is not proven
 
 
 @dataclass
@@ -179,7 +238,7 @@ class Study:
 def _study(name: str) -> Study:
     t0 = time.perf_counter()
     problem, constants = GRAPHS[name]()
-    assert len(problem.ops) <= MAX_OPS, f"{name}: {len(problem.ops)} ops, too many for an exact whole-graph ILP"
+    assert len(problem.ops) <= MAX_OPS or name in PROVEN_OPTIMAL_NOT_REQUIRED, f"{name}: {len(problem.ops)} ops, too many for an exact whole-graph ILP"
     keep_all = simulate(problem, Schedule.keep_all(problem))
     plan, _ = make_plan(problem, constants, budget_for_peak(keep_all.peak_bytes), PLAN_ILP_TIME_LIMIT_S)
     our_min = plan.min_feasible_bytes - safety_margin(plan.min_feasible_bytes)  # usable bytes
@@ -224,6 +283,8 @@ def study(request) -> Study:
 
 def test_ilp_reference_is_optimal(study: Study):
     """Every reference ILP solve reported optimality (else the ratios below mean nothing)."""
+    if study.name in PROVEN_OPTIMAL_NOT_REQUIRED:
+        pytest.skip(f"{study.name}: the whole-graph ILP is too big to prove optimal at every budget")
     bad = [r.budget for r in study.rows if r.ilp_status not in ("optimal", "keep_all")]
     assert study.ilp_min_optimal and not bad, f"ILP not proved optimal at budgets {bad}\n{study.table()}"
 
@@ -235,7 +296,7 @@ def test_ours_close_to_whole_graph_ilp(study: Study):
     for r in study.rows:
         assert r.ours.peak_bytes <= r.budget
     ratios = [r.ours.time_ms / r.ilp.time_ms for r in study.rows if r.ilp is not None]
-    assert len(ratios) >= 8, study.table()
+    assert len(ratios) >= (6 if study.name in PROVEN_OPTIMAL_NOT_REQUIRED else 8), study.table()
     geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
     bound = MAX_GEO_RATIO[study.name]
     assert geo <= bound, f"geometric mean ours/ILP = {geo:.4f} > {bound}\n{study.table()}"

@@ -110,6 +110,9 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     if chosen is None:
         raise InfeasibleBudgetError(user_budget_bytes, min_feasible)
     schedule, sim, cp = chosen
+    if cp is not None and (planner.lowest is None or sim.peak_bytes < planner.lowest[1].peak_bytes):
+        planner.lowest = (schedule, sim, cp)  # the search found a lower peak than the DP's least budget
+    min_feasible = min(min_feasible, budget_for_peak(sim.peak_bytes))
     blocks = _block_choices(planner, cp, schedule)
     plan = Plan(
         budget_bytes=user_budget_bytes,

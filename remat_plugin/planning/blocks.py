@@ -31,15 +31,12 @@ backward runs blocks in reverse), so each block's forward+backward is a small
 from __future__ import annotations
 
 import itertools
-import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
 
 from remat_plugin.ir.problem import Op, Problem, Schedule
 from remat_plugin.ir.simulate import simulate
-
-log = logging.getLogger(__name__)
 
 SIDE_MIN_SPAN = 16  # forward ops a side value must stay alive across
 SIDE_GAP = 2.0  # a side value outlives every non-side value by at least this factor
@@ -132,7 +129,7 @@ def _cuts(life: _Lifetimes, side: frozenset[str], min_fwd_ops: int) -> list[tupl
 
 
 def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> list[Block]:
-    """The chain of blocks of ``problem``; ``constants`` are ops that depend on no user input."""
+    """The chain of blocks of ``problem``; ``constants`` are the forward ops of ``JointGraph.constant_ops``."""
     life = _Lifetimes.of(problem, constants)
     side = side_values(problem, constants)
     cuts, fwd = _cuts(life, side, min_fwd_ops), life.fwd

@@ -9,7 +9,8 @@ values until its ``bwd``).
 NOTE [chain memory model]
     Memory is counted above what is alive at step start; ``x_0`` is external and free.
     ``replay`` is the spec: an action's transient is ``max(declared peak, bytes it
-    makes)`` on top of what was alive; after it, each ``x_i`` it touched is freed
+    makes)`` plus its block's ``side_bytes`` (values made outside the chain's bookkeeping,
+    alive while the block runs) on top of what was alive; after it, each ``x_i`` it touched is freed
     unless its next event is a read (its last read before being remade or never),
     ``fwd`` adds its kept set, ``bwd(i)`` frees its kept set and ``δ_{i+1}`` and adds
     ``δ_i`` and block ``i``'s parameter gradients.  The loss ``x_n`` doubles as ``δ_n``:

@@ -62,11 +62,9 @@ class _Lifetimes:
     fwd: list[Op]
     made_at: dict[str, int]
     last_read: dict[str, int]
-    order: list[int]  # each op's position among all forward ops, constants included (block sizes count them)
 
     @staticmethod
     def of(problem: Problem, constants: set[str]) -> _Lifetimes:
-        everywhere = {o.name: i for i, o in enumerate(problem.fwd_ops)}
         fwd = [o for o in problem.fwd_ops if o.name not in constants]
         made_at = {v: i for i, o in enumerate(fwd) for v in o.outputs}
         last_read: dict[str, int] = {}
@@ -74,7 +72,7 @@ class _Lifetimes:
             for v in o.inputs:
                 if v in made_at:
                     last_read[v] = i
-        return _Lifetimes(fwd, made_at, last_read, [everywhere[o.name] for o in fwd])
+        return _Lifetimes(fwd, made_at, last_read)
 
     def crossing(self, skip: frozenset[str] = frozenset()) -> list[set[str]]:
         """Per position ``i``: values made at or before ``i`` and read after it (``skip`` left out)."""
@@ -115,15 +113,14 @@ def _largest_block(cuts: list[tuple[int, str]], n: int) -> int:
 def _cuts(life: _Lifetimes, side: frozenset[str], min_fwd_ops: int) -> list[tuple[int, str]]:
     """Cut points (forward position, chain value x)."""
     crossing = life.crossing(side)
-    fwd, n, at = life.fwd, len(life.fwd), life.order
+    fwd, n = life.fwd, len(life.fwd)
     cuts: list[tuple[int, str]] = []
     last_cut = -1
     for i in range(n - 1):
-        since = at[i] - (at[last_cut] if last_cut >= 0 else -1)
-        if len(crossing[i]) == 1 and fwd[i + 1].recomputable and since >= min_fwd_ops:
+        if len(crossing[i]) == 1 and fwd[i + 1].recomputable and i - last_cut >= min_fwd_ops:
             cuts.append((i, next(iter(crossing[i]))))
             last_cut = i
-    if cuts and at[n - 1] - at[cuts[-1][0]] < min_fwd_ops:
+    if cuts and n - 1 - cuts[-1][0] < min_fwd_ops:
         cuts.pop()
     return cuts
 

@@ -76,7 +76,6 @@ class JointGraph:
     values_of: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unread_output_bytes: dict[str, int] = field(default_factory=dict)
     random_ops: set[str] = field(default_factory=set)
-    constants: set[str] = field(default_factory=set)  # ops depending on no placeholder (masks, aranges)
     live_out: set[str] = field(default_factory=set)
     tangents: list[fx.Node] = field(default_factory=list)
     buffer_primals: set[str] = field(default_factory=set)  # placeholders that are module buffers
@@ -92,21 +91,17 @@ class JointGraph:
 
     def _analyse(self) -> None:
         graph = self.gm.graph
-        depends_on_input: set[str] = set()
         fwd: list[fx.Node] = []
         bwd: list[fx.Node] = []
         for n in graph.nodes:
             if n.op == "placeholder":
                 self.root[n.name] = None
-                depends_on_input.add(n.name)
                 if n.name.startswith("tangents"):
                     self.tangents.append(n)
                 continue
             if n.op != "call_function":
                 continue
             args = _node_args(n)
-            if any(a.name in depends_on_input for a in args):
-                depends_on_input.add(n.name)
             if n.target is operator.getitem:
                 src = args[0]
                 if src.name in self.values_of or src.op != "call_function" or not is_view_target(src.target):
@@ -123,8 +118,6 @@ class JointGraph:
                 continue  # asserts and other calls without an output: not executed by plans
             self._add_op(n, val)
             (fwd if n.meta.get("partitioner_tag") == "is_forward" else bwd).append(n)
-            if n.name not in depends_on_input:
-                self.constants.add(n.name)
         self.ops = fwd + bwd
         for n in fwd:
             self.is_fwd[n.name] = True

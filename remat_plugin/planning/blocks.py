@@ -86,7 +86,10 @@ class _Lifetimes:
 
 def side_values(problem: Problem, constants: set[str]) -> frozenset[str]:
     """The values left out when looking for cuts; see NOTE [side values]."""
-    life = _Lifetimes.of(problem, constants)
+    return _side_values(_Lifetimes.of(problem, constants))
+
+
+def _side_values(life: _Lifetimes) -> frozenset[str]:
     plain = _cuts(life, frozenset(), 2)
     if _largest_block(plain, len(life.fwd)) <= GLUED_SHARE * len(life.fwd):
         return frozenset()  # the plain 1-separators already cut the model into layers
@@ -128,7 +131,7 @@ def _cuts(life: _Lifetimes, side: frozenset[str], min_fwd_ops: int) -> list[tupl
 def make_blocks(problem: Problem, constants: set[str], min_fwd_ops: int = 2) -> list[Block]:
     """The chain of blocks of ``problem``; ``constants`` are the forward ops of ``JointGraph.constant_ops``."""
     life = _Lifetimes.of(problem, constants)
-    side = side_values(problem, constants)
+    side = _side_values(life)
     cuts, fwd = _cuts(life, side, min_fwd_ops), life.fwd
     block_of_op: dict[str, int] = {}
     b = 0
@@ -182,8 +185,8 @@ def _localise_constants(problem: Problem, constants: set[str], block_of_op: dict
 def _side_charges(problem: Problem, block_of: dict[str, int], chain_values: set[str], n_blocks: int) -> list[int]:
     """Per block, the bytes of values made elsewhere that are alive while it runs (NOTE [side values]).
 
-    A forward value (or a constant, made just before its first reader) read by another block is alive from the block that makes it
-    to the end of the chain and back down to its lowest reader.  A backward value that skips over
+    A forward value (or a constant, made just before its first reader) read by another block is
+    alive from the block that makes it to the end of the chain and back down to its lowest reader.  A backward value that skips over
     blocks (the gradient of a side value) is alive in the blocks between its maker and its reader.
     Chain values, their gradients (read by the adjacent block) and ``live_out`` are the DP's own.
     """
@@ -224,8 +227,8 @@ def glued_values(problem: Problem, constants: set[str], blocks: list[Block], top
     biggest = max(blocks, key=lambda b: len(b.fwd_ops))
     if n < 20 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
         return []
-    inside = {o for o in biggest.fwd_ops}
-    crossing = [c for o, c in zip(life.fwd, life.crossing(side_values(problem, constants))) if o.name in inside]
+    inside = set(biggest.fwd_ops)
+    crossing = [c for o, c in zip(life.fwd, life.crossing(_side_values(life))) if o.name in inside]
     counts = Counter(v for c in crossing for v in c)
     return [f"{v} (made by op {life.made_at[v]}, read until op {life.last_read[v]})" for v, _ in counts.most_common(top)]
 

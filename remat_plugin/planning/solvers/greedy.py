@@ -71,4 +71,3 @@ def _require_op(problem: Problem, name: str, fwd_values: frozenset[str], availab
             _require_op(problem, problem.value(v).producer, fwd_values, available, stage)
     stage.add(name)
     available.update(op.outputs)
-

@@ -14,7 +14,7 @@ def greedy_menu(problem: Problem, shares: Sequence[float] = (0.0, 0.25, 0.5, 0.7
     """Options for a block too big for the ILP: keep-all, plus recompute-on-demand keeping the values
     that are dearest to recompute per byte, up to each share of the keepable bytes.
 
-    Every option is costed by the simulator, like the ILP's .
+    Every option is costed by the simulator, like the ILP's.
     """
     fwd_values = forward_values(problem)
     read_back = {v for o in problem.bwd_ops for v in o.inputs if v in fwd_values}

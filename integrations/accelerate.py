@@ -18,9 +18,15 @@ place and removing it gives exactly that back.  Planning captures the module wit
 
 Options come from arguments, a :class:`RematPlugin`, or the environment (``REMAT_BUDGET``,
 ``REMAT_SEQ_BUCKET``, ``REMAT_CACHE_DIR``, ``REMAT_ILP_TIME_LIMIT_S``, ``REMAT_AUTO_BATCH_SIZE``,
-``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``: :data:`~remat_plugin.runtime.config.ENV_VARIABLES`),
+``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``, ``REMAT_VERBOSE``:
+:data:`~remat_plugin.runtime.config.ENV_VARIABLES`),
 in that order, into one :class:`~remat_plugin.runtime.config.RematConfig`, which checks them.  With no
 budget anywhere, :func:`prepare` is plain ``accelerator.prepare(model)``.
+
+Output: Accelerate sets up no logging handler, so what the main process says (what is rewritten,
+one line per new plan, the batch size chosen) goes to stderr through ``remat_plugin``'s default
+handler (:mod:`remat_plugin.runtime.reporting`) unless the script configures logging;
+``verbose=False`` (or ``REMAT_VERBOSE=0``) leaves warnings only.
 
 Auto batch size: :func:`prepare` still returns only the model; with ``auto_batch_size`` on (an
 argument, the plugin, or ``REMAT_AUTO_BATCH_SIZE=1``), :func:`choose_batch_size` plans the
@@ -61,6 +67,7 @@ from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.config import ENV_VARIABLES, ConfigError, RematConfig, env_texts
 from remat_plugin.runtime.dist import is_rank_zero
 from remat_plugin.runtime.optimizer_state import unwrap
+from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import describe
 
@@ -96,6 +103,8 @@ class RematPlugin:
     multiple_of: int | None = None
     # ... and at most this (REMAT_MAX_BATCH_SIZE); None: no limit.
     max_val: int | None = None
+    # Progress bar and one line per new plan (REMAT_VERBOSE); None: True.
+    verbose: bool | None = None
 
     def __post_init__(self) -> None:
         explicit = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -194,8 +203,9 @@ class RematHook(ModelHook):
         return module
 
     def _announce(self, plan: Plan) -> None:
+        # The session says each plan in one line; the table is for debugging.
         if is_rank_zero():
-            log.info("remat_plugin.accelerate: new plan for inputs %s\n%s", describe(plan.signature), plan.table())
+            log.debug("remat_plugin.accelerate: new plan for inputs %s\n%s", describe(plan.signature), plan.table())
 
     # --- checkpoints: what register_for_checkpointing and the save/load pre-hooks call ------------
     def state_dict(self) -> dict[str, Any]:
@@ -225,7 +235,7 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     """``accelerator.prepare(model)`` with a :class:`RematHook` on the underlying module.
 
     ``budget`` and ``options`` (``seq_bucket``, ``cache_dir``, ``ilp_time_limit_s``,
-    ``auto_batch_size``, ``multiple_of``, ``max_val``) win over ``plugin``, whose unset fields
+    ``auto_batch_size``, ``multiple_of``, ``max_val``, ``verbose``) win over ``plugin``, whose unset fields
     come from ``REMAT_*`` variables.  Without a budget from any of them this is exactly
     ``accelerator.prepare(model)``.  Prepare the optimizer as usual, before or after: its state
     still to be created is taken out of the budget when the plan is made.  It returns only the
@@ -236,11 +246,11 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     # Explicit values go in before the environment is read, so a bad REMAT_* they override is never looked at.
     plugin = dataclasses.replace(plugin, **explicit) if plugin is not None else RematPlugin(**explicit)
     if not plugin.enabled:
-        if is_rank_zero():
-            log.info("remat_plugin.accelerate: no budget (budget=... or %s); training without remat", _BUDGET_ENV)
-            if plugin.auto_batch_mode:
-                log.warning("remat_plugin.accelerate: auto_batch_size needs a budget (budget=... or %s); "
-                            "choose_batch_size will return the script's batch size", _BUDGET_ENV)
+        if plugin.verbose is not False:
+            announce(f"remat_plugin.accelerate: no budget (budget=... or {_BUDGET_ENV}); training without remat", log)
+        if is_rank_zero() and plugin.auto_batch_mode:
+            log.warning("remat_plugin.accelerate: auto_batch_size needs a budget (budget=... or %s); "
+                        "choose_batch_size will return the script's batch size", _BUDGET_ENV)
         return accelerator.prepare(model)
     config = plugin.to_config()
     _check_supported(accelerator)
@@ -256,9 +266,9 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target))
     add_hook_to_module(target, hook, append=True)
     _keep_plans_in_checkpoints(accelerator, target, hook)
-    if is_rank_zero():
-        log.info("remat_plugin.accelerate: rewriting %s (%s parameters), budget %s", type(target).__name__,
-                 f"{sum(p.numel() for p in target.parameters()):,}", config.budget)
+    if config.verbose:
+        announce(f"remat_plugin.accelerate: rewriting {type(target).__name__} "
+                 f"({sum(p.numel() for p in target.parameters()):,} parameters), budget {config.budget}", log)
     return prepared
 
 
@@ -376,8 +386,8 @@ def choose_batch_size(accelerator: Accelerator, model: nn.Module, example_inputs
         args, kwargs = session.record_call(lambda: target(*args, **kwargs))
         choice = tune_batch_size(session, args, kwargs)  # the options of the session's config: hook.config
     hook.batch_size_choice = choice
-    if accelerator.is_main_process:
-        log.info("remat_plugin.accelerate: %s", choice.summary())
+    if hook.config.verbose:
+        announce(f"remat_plugin.accelerate: {choice.summary()}", log)
     return choice.batch_size
 
 

@@ -10,13 +10,13 @@ exactly those of the run without the callback.
 from __future__ import annotations
 
 import inspect
-import logging
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from torch import nn
 
 from remat_plugin.batch_size.search import BatchSizeChoice
@@ -28,8 +28,6 @@ from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.forward_swap import ForwardSwap
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import BucketPolicy, describe
-
-log = logging.getLogger(__name__)
 
 
 def _calls_self(pl_module: pl.LightningModule) -> bool:
@@ -61,6 +59,10 @@ def pick_target(pl_module: pl.LightningModule, name: str | None) -> tuple[str, n
     return best_name, best
 
 
+def _quiet(message: str) -> None:
+    """Where ``verbose=False`` sends what would be said at INFO."""
+
+
 def _shown(budget: int | str) -> str:
     return human_bytes(budget) if isinstance(budget, int) else budget
 
@@ -84,15 +86,18 @@ class AutoRemat(pl.Callback):
         batch_arg_name: the attribute (on the model, its hparams or the datamodule) holding the
             training batch size, set the Lightning way; the eval batch size is left alone.
         multiple_of, max_val: the chosen batch size is a multiple of ``multiple_of``, at most ``max_val``.
+        verbose: a progress bar while a plan is made (on a terminal) and, through Lightning's logger on
+            rank 0, what is rewritten and one line per new plan; False: warnings only.
     """
 
     def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
                  cache_dir: str | None = None, ilp_time_limit_s: float = 0.5, auto_batch_size: bool | str = False,
-                 batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None):
+                 batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None,
+                 verbose: bool = True):
         try:  # every option is checked now, not at the first batch
             self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
                                       ilp_time_limit_s=ilp_time_limit_s, auto_batch_size=auto_batch_size,
-                                      multiple_of=multiple_of, max_val=max_val)
+                                      multiple_of=multiple_of, max_val=max_val, verbose=verbose)
         except OptionError as exc:
             raise exc.restated(stage="AutoRemat") from None
         self.module_name = module
@@ -103,6 +108,7 @@ class AutoRemat(pl.Callback):
         self._swap: ForwardSwap | None = None
         self._stored_state: dict[str, Any] | None = None
         self._unlogged: list[Plan] = []
+        self._info: Callable[[str], Any] = rank_zero_info if verbose else _quiet
 
     @property
     def state_key(self) -> str:
@@ -115,7 +121,7 @@ class AutoRemat(pl.Callback):
         if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):  # type: ignore[attr-defined]
             # Its trial steps (in its on_fit_start, which Lightning runs before ours) would each
             # plan a batch size that is then thrown away: they run the unmodified model instead.
-            rank_zero_info("AutoRemat: BatchSizeFinder's trial steps run without remat; AutoRemat starts after them")
+            self._info("AutoRemat: BatchSizeFinder's trial steps run without remat; AutoRemat starts after them")
             return
         self._install(trainer, pl_module)
 
@@ -141,18 +147,18 @@ class AutoRemat(pl.Callback):
         lightning_setattr(pl_module, self.batch_arg_name, choice.batch_size)
         loop._combined_loader = None  # fit rebuilds the training dataloader with the new size
         self.batch_size_choice = choice
-        rank_zero_info(f"AutoRemat: {choice.summary()}")
+        self._info(f"AutoRemat: {choice.summary()}")
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         name, target = pick_target(pl_module, self.module_name)
         shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
-        rank_zero_info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
-                       f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {_shown(self.config.budget)}")
+        self._info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
+                   f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {_shown(self.config.budget)}")
         if not self._avoid_double_checkpointing(trainer, target):
             self.enabled = False
             return
         self.session = RematSession(target, self.config, optimizers=lambda: trainer.optimizers,
-                                    on_new_plan=self._announce)
+                                    on_new_plan=self._announce, report=rank_zero_info)
         if self._stored_state is not None:
             self.session.load_state_dict(self._stored_state)
         self._swap = ForwardSwap(target, self.session.dispatcher)
@@ -164,7 +170,7 @@ class AutoRemat(pl.Callback):
 
     def _avoid_double_checkpointing(self, trainer: pl.Trainer, target: nn.Module) -> bool:
         """Our plan replaces HF gradient checkpointing; wrappers and FSDP policies we cannot undo turn us off."""
-        wrapped = settle_checkpointing(target, "AutoRemat", rank_zero_info, rank_zero_warn)
+        wrapped = settle_checkpointing(target, "AutoRemat", self._info, rank_zero_warn)
         policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
         if wrapped or policy:
             what = f"CheckpointWrapper modules ({', '.join(wrapped[:3])})" if wrapped else "the FSDP " \
@@ -176,7 +182,8 @@ class AutoRemat(pl.Callback):
 
     # --- reporting ---------------------------------------------------------------------------
     def _announce(self, plan: Plan) -> None:
-        rank_zero_info(f"AutoRemat: new plan for inputs {describe(plan.signature)}\n{plan.table()}")
+        # The session says each plan in one line (report=); the table is for debugging.
+        rank_zero_debug(f"AutoRemat: new plan for inputs {describe(plan.signature)}\n{plan.table()}")
         self._unlogged.append(plan)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -191,8 +198,6 @@ class AutoRemat(pl.Callback):
                 "remat/blocks_recomputed": float(recomputed),
                 "remat/blocks_kept": float(len(plan.blocks) - recomputed),
             }, rank_zero_only=True, batch_size=1)
-            log.info("AutoRemat: budget %s, predicted peak %s", human_bytes(plan.budget_bytes),
-                     human_bytes(plan.predicted_peak_bytes))
 
     # --- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

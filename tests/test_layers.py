@@ -6,6 +6,8 @@ Python, not from the design.
 from __future__ import annotations
 
 import ast
+import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers of the same rank (capture, planning.solvers) are siblings and do not import each other.
 LAYER_RANK = {
     "errors": 0,
+    "torch_private": 1,  # imports only errors; the one home of private torch APIs
     "ir": 1,
     "capture": 2,
     "planning.solvers": 2,
@@ -119,3 +122,30 @@ def test_no_private_names_across_modules():
            for module, imports in _graph().items() for target, names, line in imports
            for name in names if name.startswith("_") and not name.startswith("__")]
     assert not bad, "\n".join(bad)
+
+
+PRIVATE_TORCH = re.compile(r"\btorch(\.[A-Za-z_]+)*\._[A-Za-z]|from torch(\.[A-Za-z_]+)*\._|\bfx\._[A-Za-z]")
+
+
+def _code_lines(path: Path) -> dict[int, str]:
+    """Each line's code without strings and comments (docstrings may name private APIs)."""
+    lines: dict[int, str] = {}
+    with path.open("rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            if tok.type in (tokenize.NAME, tokenize.OP):
+                line = lines.get(tok.start[0], "")
+                space = " " if tok.type == tokenize.NAME and line[-1:].isidentifier() else ""
+                lines[tok.start[0]] = line + space + tok.string
+    return lines
+
+
+def test_private_torch_apis_only_in_torch_private():
+    """Private torch APIs change between releases: each is reached through ``remat_plugin.torch_private`` only."""
+    found = []
+    for module, path in _module_files().items():
+        if module == "remat_plugin.torch_private":
+            continue
+        for lineno, code in _code_lines(path).items():
+            if PRIVATE_TORCH.search(code) and "torch.ops.aten._" not in code:
+                found.append(f"{path.relative_to(ROOT)}:{lineno}: {code}")
+    assert not found, "\n".join(found)

@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.problem import Op, Problem, Value
 from remat_plugin.planning.choose_plan import make_plan
 from remat_plugin.runtime.steps import capture_problem
+from remat_plugin.torch_private import pytree
 
 log = logging.getLogger(__name__)
 

@@ -10,19 +10,20 @@ one notch.  All ranks end with the same batch size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from remat_plugin.batch_size.search import BatchSizeChoice, batch_dim_size, choose_batch_size, scale_inputs
 from remat_plugin.capture.memory_meter import PeakMeter
 from remat_plugin.errors import human_bytes
-from remat_plugin.runtime.dist import all_gather, broadcast_from_rank_zero, is_rank_zero
+from remat_plugin.runtime import dist
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import device_of
+from remat_plugin.torch_private import pytree
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,21 @@ def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSi
     """
     config = session.config
     objective, multiple_of = str(config.auto_batch_size or "max"), config.multiple_of
-    # every rank must decide alike: the smallest budget of all ranks
-    budget = min(all_gather(session.training_budget(args, kwargs)))
+    # every rank must decide alike: the smallest budget of all ranks; a failure anywhere stops every rank
+    budget = min(dist.gathered(lambda: session.training_budget(args, kwargs), "computing its budget"))
     b1 = batch_dim_size(args, kwargs)
-    searched: BatchSizeChoice | None = None
-    if is_rank_zero():
+
+    def search() -> BatchSizeChoice:
         with session.bypassed():  # the search captures the module itself
-            searched = choose_batch_size(session.module, args, kwargs, budget, objective=objective,
-                                         multiple_of=multiple_of, max_val=config.max_val,
-                                         ilp_time_limit_s=config.ilp_time_limit_s)
-    choice: BatchSizeChoice = broadcast_from_rank_zero(searched)
+            return choose_batch_size(session.module, args, kwargs, budget, objective=objective,
+                                     multiple_of=multiple_of, max_val=config.max_val,
+                                     ilp_time_limit_s=config.ilp_time_limit_s)
+
+    choice = dist.from_rank_zero(search, "searching the batch size")
     size, trials, peak = choice.batch_size, 0, 0
     while trials < 3:
-        peak = max(all_gather(measure_step(session, *scale_inputs(args, kwargs, b1, size))))
+        step = functools.partial(measure_step, session, *scale_inputs(args, kwargs, b1, size))
+        peak = max(dist.gathered(step, f"measuring a step at batch size {size}"))
         trials += 1
         if peak <= budget or size <= multiple_of:
             break

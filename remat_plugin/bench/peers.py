@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from remat_plugin.bench.bench_model import BenchModel
 from remat_plugin.planning.baselines import sqrt_n_segments
 from remat_plugin.runtime.forward_swap import swapped_forwards
+from remat_plugin.torch_private import activation_memory_budget, reset_dynamo
 
 __all__ = [
     "EAGER_PEERS", "EXPENSIVE_OPS", "Step", "applicable_peers", "compiled_memory_budget", "drop_cheap", "none", "per_layer_checkpoint",
@@ -146,17 +147,17 @@ def compiled_memory_budget(bench: BenchModel, ratio: float, backend: str | None 
     param = next(bench.module.parameters(), None)
     if backend is None:
         backend = "inductor" if param is not None and param.device.type == "cuda" else "aot_eager"
-    torch._dynamo.reset()
+    reset_dynamo()
     compiled = torch.compile(bench.module, backend=backend)
 
     def step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         return bench.loss(compiled(*args, **kwargs))
 
     try:
-        with torch._functorch.config.patch(activation_memory_budget=ratio):
+        with activation_memory_budget(ratio):
             yield step
     finally:
-        torch._dynamo.reset()
+        reset_dynamo()
 
 
 # The eager peers by report name, in report order; "none" first, it is the reference of every other strategy.

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
-from torch._functorch.aot_autograd import aot_function
 
 from remat_plugin.capture.joint import JointGraph
-from remat_plugin.errors import CaptureError
+from remat_plugin.errors import CaptureError, RematError
+from remat_plugin.torch_private import BoxedCodeGen, aot_function, pytree, suspended_user_modes
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +25,8 @@ log = logging.getLogger(__name__)
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """``torch.export`` with a :class:`CaptureError` that names the failing op or line."""
     try:
-        return torch.export.export(module, args, kwargs, strict=False)
+        with suspended_user_modes():  # the caller's FLOP counter or memory tracker would meet fake tensors
+            return torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = ""
@@ -45,6 +45,45 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.
         ) from exc
 
 
+class DoubleBackwardError(RematError):
+    """``create_graph=True`` through a planned step: its backward is one program autograd cannot differentiate."""
+
+
+class _RefuseDoubleBackward(torch.autograd.Function):
+    """Identity on the step's outputs whose backward refuses ``create_graph=True``, before any gradient is computed.
+
+    AOTAutograd would run the planned backward and fail only at the second backward, with its own
+    message; gradient penalties and other double-backward losses should learn at the first call.
+    """
+
+    @staticmethod
+    def forward(ctx, *outputs: torch.Tensor):  # type: ignore[override]
+        return tuple(t.view_as(t) for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        if torch.is_grad_enabled():  # the engine enables grad mode in backward exactly when create_graph=True
+            raise DoubleBackwardError(
+                "remat_plugin.execute: backward(create_graph=True) or torch.autograd.grad(..., create_graph=True) "
+                "through a rematerialized step is not supported: its planned backward is one compiled program, "
+                "which autograd cannot differentiate again (double backward, gradient penalties). Compute the "
+                "double-backward term with the unmodified module (run that call in eval mode or under "
+                "RematModule.original), or call backward without create_graph")
+        return grads
+
+
+def _no_double_backward(outputs: tuple) -> tuple:
+    """``outputs`` with the tensors that carry gradients routed through :class:`_RefuseDoubleBackward`."""
+    index = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not index:
+        return outputs
+    wrapped = _RefuseDoubleBackward.apply(*(outputs[i] for i in index))
+    out = list(outputs)
+    for i, t in zip(index, wrapped):
+        out[i] = t
+    return tuple(out)
+
+
 @dataclass
 class CompiledStep:
     """One input signature's planned function; call it with the user's args/kwargs."""
@@ -58,7 +97,7 @@ class CompiledStep:
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        flat_out = self.fn(*self.params, *(leaves[i] for i in self.tensor_positions))
+        flat_out = _no_double_backward(self.fn(*self.params, *(leaves[i] for i in self.tensor_positions)))
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):
@@ -115,7 +154,7 @@ def build_step(
     def boxed(gm_, _example):
         # Boxed calling convention: the program receives the argument list and clears it,
         # so each saved tensor dies after its last use instead of at the end of backward.
-        gm_.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        gm_.graph.set_codegen(BoxedCodeGen())
         gm_.recompile()
 
         def run(args: list):

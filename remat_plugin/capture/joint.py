@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from remat_plugin.ir.problem import Op, Problem, Value
+from remat_plugin.torch_private import OpOverload
 
 TANGENTS_OP = "__tangents__"
 RNG_SUFFIX = "__rng"
@@ -37,7 +38,7 @@ _ALIAS_OPS = {
 def is_view_target(target) -> bool:
     if target in _ALIAS_OPS:
         return True
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         rets = target._schema.returns
         return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
     return False
@@ -45,7 +46,7 @@ def is_view_target(target) -> bool:
 
 def _is_random(node: fx.Node) -> bool:
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+    return isinstance(t, OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
 def _tensor_bytes(val) -> int:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from remat_plugin.capture.joint import JointGraph
+from remat_plugin.torch_private import unset_fake_temporarily
 
 log = logging.getLogger(__name__)
 

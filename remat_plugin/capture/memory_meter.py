@@ -35,12 +35,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from typing_extensions import Self  # a torch dependency; typing.Self needs Python 3.11
+
+from remat_plugin.torch_private import FakeTensor, FunctionalTensor, TorchDispatchMode, pytree
 
 __all__ = ["PeakMeter", "StorageTracker", "measure_peak", "measure_peak_profiler"]
 
@@ -59,9 +57,9 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        before = {id(s): s.nbytes() for s in self._storages(tree_leaves((args, kwargs)))}
+        before = {id(s): s.nbytes() for s in self._storages(pytree.tree_leaves((args, kwargs)))}
         out = func(*args, **kwargs)
-        for storage in self._storages(tree_leaves(out)):
+        for storage in self._storages(pytree.tree_leaves(out)):
             key = id(storage)
             if key in self._entries:
                 self._regrow(storage, self._entries[key][0])

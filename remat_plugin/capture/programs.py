@@ -13,15 +13,19 @@ import operator
 
 import torch
 from torch import fx
-from torch._functorch._aot_autograd.descriptors import (
-    SavedForBackwardsAOTOutput,
-    SavedForBackwardsNoVcCheckAOTOutput,
-)
-from torch._functorch._aot_autograd.utils import _is_primal, _is_tangent
-from torch._functorch.partitioners import _extract_fwd_bwd_outputs, _extract_graph_with_inputs_outputs
 
 from remat_plugin.capture.joint import RNG_SUFFIX, TANGENTS_OP, JointGraph, is_view_target
 from remat_plugin.ir.problem import Schedule
+from remat_plugin.torch_private import (
+    FakeTensor,
+    SavedForBackwardsAOTOutput,
+    SavedForBackwardsNoVcCheckAOTOutput,
+    extract_fwd_bwd_outputs,
+    extract_graph_with_inputs_outputs,
+    is_primal,
+    is_tangent,
+    make_graph_module,
+)
 
 
 def capture_rng_state(device_type: str) -> torch.Tensor:
@@ -60,12 +64,21 @@ def _insert_rng_captures(joint: JointGraph, names: set[str]) -> dict[str, fx.Nod
         node = joint.node(op_name)
         with graph.inserting_before(node):
             cap = graph.call_function(capture_rng_state, (joint.device_type,))
-        cap.meta["val"] = capture_rng_state(joint.device_type)
+        cap.meta["val"] = _fake_like_graph(joint, capture_rng_state(joint.device_type))
         cap.meta["partitioner_tag"] = "is_forward"
         node.args = (cap, node.target, *node.args)  # type: ignore[arg-type]  # fx passes callables through
         node.target = run_random
         made[op_name + RNG_SUFFIX] = cap
     return made
+
+
+def _fake_like_graph(joint: JointGraph, real: torch.Tensor) -> torch.Tensor:
+    """``real`` as a fake tensor of the graph's fake mode: AOTAutograd reads saved values' metadata as fake tensors."""
+    for node in joint.gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode.from_tensor(real)
+    return real
 
 
 def _graph_ops(schedule: Schedule) -> list[str]:
@@ -136,22 +149,21 @@ def _extract_modules(joint: JointGraph, saved: list[fx.Node]) -> tuple[fx.GraphM
         n for n in saved if n.meta.get("saved_tensor_with_no_vc_check")
     ]
     first_no_vc = sum(not n.meta.get("saved_tensor_with_no_vc_check") for n in saved)
-    fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = _extract_fwd_bwd_outputs(
+    fwd_outputs, bwd_outputs, fwd_descs, bwd_descs = extract_fwd_bwd_outputs(
         joint.gm, num_fwd_outputs=joint.num_fwd_outputs
     )
     placeholders = joint.gm.graph.find_nodes(op="placeholder")
-    primals = [p for p in placeholders if _is_primal(p)]
-    tangents = [p for p in placeholders if _is_tangent(p)]
+    primals = [p for p in placeholders if is_primal(p)]
+    tangents = [p for p in placeholders if is_tangent(p)]
     saved_descs = [
         SavedForBackwardsNoVcCheckAOTOutput(i) if i >= first_no_vc else SavedForBackwardsAOTOutput(i)
         for i in range(len(saved))
     ]
-    fwd_graph = _extract_graph_with_inputs_outputs(
+    fwd_graph = extract_graph_with_inputs_outputs(
         joint.gm.graph, primals, fwd_outputs + saved, [*fwd_descs, *saved_descs], "forward"
     )
-    bwd_graph = _extract_graph_with_inputs_outputs(joint.gm.graph, saved + tangents, bwd_outputs, bwd_descs, "backward")
-    make = fx._lazy_graph_module._make_graph_module
-    return make(joint.gm, fwd_graph), make(joint.gm, bwd_graph)
+    bwd_graph = extract_graph_with_inputs_outputs(joint.gm.graph, saved + tangents, bwd_outputs, bwd_descs, "backward")
+    return make_graph_module(joint.gm, fwd_graph), make_graph_module(joint.gm, bwd_graph)
 
 
 def _rebuild_backward(

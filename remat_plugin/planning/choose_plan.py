@@ -128,7 +128,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         schedule=schedule.bwd_sequence,
         notes=tuple(planner.notes),
     )
-    log.info("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s (margin %s), overhead %.3fx",
+    log.debug("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s (margin %s), overhead %.3fx",
              len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(user_budget_bytes),
              human_bytes(plan.margin_bytes),
              plan.predicted_overhead)

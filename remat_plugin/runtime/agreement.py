@@ -1,17 +1,22 @@
 """Rank agreement: with several processes, every rank runs the plan rank 0 made.
 
-Every training call, ranks gather each other's signature key.  When all ranks already have a
-step for their shapes, nothing more happens; when all need the same new plan, rank 0 makes
-it with the smallest budget of all ranks and broadcasts it, and the others replay it (a
-fallback plan too: every rank then checkpoints the same layers).  Whatever fails on rank 0
-while it plans is sent to the other ranks and raised there, so no rank waits for a plan that
-never comes.  Ranks that see different shapes plan their own (warned once).
+Every training call, ranks gather each other's signature key: that one ``all_gather`` is all a
+call costs once every rank has a step for its shapes.  When all need a step for the same new
+shapes, rank 0 makes the plan with the smallest budget of all ranks and broadcasts it, and
+the others replay it -- a fallback plan too: every rank then checkpoints the same layers.
+Ranks that see different shapes plan their own (warned once).
+
+Whatever fails while a step is made -- a budget on any rank, planning on rank 0 (an
+out-of-memory while profiling as much as a :class:`RematError`), a rank's replay of rank 0's
+plan -- is raised on every rank with its message, at the same collective: no rank is left
+waiting for a plan that never comes (NOTE [a failure reaches every rank] in
+:mod:`~remat_plugin.runtime.dist`).  A call that makes a step adds two or three collectives
+to that ``all_gather``; a call that has one adds none.
 """
 from __future__ import annotations
 
 import logging
 
-from remat_plugin.errors import RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.resolver import BudgetFn, StepResolver
@@ -28,42 +33,43 @@ class RankAgreement:
         self.resolver = resolver
         self._warned = False
 
-    def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep | None:
-        """The step every rank runs for this call, or None when ranks see different shapes."""
-        gathered = dist.all_gather((call.key, call.key in self.resolver.steps))
-        if all(have for _, have in gathered):
-            return self.resolver.steps[call.key]
+    def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep:
+        """The step this rank runs for this call: rank 0's plan when all ranks see the same shapes, else its own."""
+        known = self.resolver.known_step(call)  # None too when parameters were replaced since it was built
+        gathered = dist.all_gather((call.key, known is not None))
+        if known is not None and all(have for _, have in gathered):
+            return known
         if len({key for key, _ in gathered}) == 1:
             return self._agreed_step(call, budget)
         if not self._warned:
             log.warning("remat_plugin: ranks see different input shapes; each rank plans its own shapes")
             self._warned = True
-        return None
+        return dist.on_every_rank(lambda: self.resolver.step_for(call, budget), "planning its own input shapes")
 
     def _agreed_step(self, call: Call, budget: BudgetFn) -> PlannedStep:
         """All ranks need a step for the same shapes: rank 0 decides the plan, every rank runs it."""
-        budget_bytes = min(dist.all_gather(budget()))
-        step: PlannedStep | None = None
-        payload: tuple[str, str] | None = None
-        if dist.is_rank_zero():
-            try:
-                step = self.resolver.replay_known(call, budget_bytes)
-                if step is not None:
-                    plan = step.plan
-                else:
-                    plan, step = self.resolver.solve_bucket(call, budget_bytes)
-                assert plan is not None
-                payload = ("plan", plan.to_json())
-            except Exception as exc:  # any failure (out of memory too) must reach the ranks waiting below
-                dist.broadcast_from_rank_zero(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-        kind, text = dist.broadcast_from_rank_zero(payload)
-        if kind == "error":
-            raise RematError(f"remat_plugin.session: rank 0 could not plan: {text}")
-        plan = Plan.from_json(text)
-        if not dist.is_rank_zero():
-            self.resolver.adopt(plan.signature, plan)
-        if step is None:
-            step = self.resolver.replay(plan, call, budget_bytes)
-        self.resolver.steps[call.key] = step
+        budget_bytes = min(dist.gathered(budget, "computing its budget"))
+        made: list[PlannedStep] = []  # on rank 0, the step planning built (when the bucket is the call's shapes)
+
+        def plan_on_rank_zero() -> str:
+            step = self.resolver.replay_known(call, budget_bytes)
+            if step is not None:
+                plan = step.plan
+            else:
+                plan, step = self.resolver.solve_bucket(call, budget_bytes)
+            assert plan is not None
+            if step is not None:
+                made.append(step)
+            return plan.to_json()
+
+        plan = Plan.from_json(dist.from_rank_zero(plan_on_rank_zero, "planning"))
+
+        def run_it_here() -> PlannedStep:
+            if made:
+                return made[0]
+            if not dist.is_rank_zero():
+                self.resolver.adopt(plan.signature, plan)
+            return self.resolver.replay(plan, call, budget_bytes)
+
+        step = self.resolver.steps[call.key] = dist.on_every_rank(run_it_here, "building its step of rank 0's plan")
         return step

@@ -29,6 +29,7 @@ ENV_VARIABLES = {
     "auto_batch_size": "REMAT_AUTO_BATCH_SIZE",
     "multiple_of": "REMAT_BATCH_MULTIPLE_OF",
     "max_val": "REMAT_MAX_BATCH_SIZE",
+    "verbose": "REMAT_VERBOSE",
 }
 AUTO_BATCH_MODES = ("max", "throughput")
 
@@ -36,6 +37,8 @@ _AUTO_ON = ("1", "true", "yes", "max")
 _AUTO_OFF = ("0", "false", "no", "")
 _AUTO_TEXTS = ("1, true, yes or max (the largest batch size whose plan fits the budget), throughput (the most "
                "predicted samples per second), or 0, false, no or empty (off)")
+_ON = ("1", "true", "yes")
+_OFF = ("0", "false", "no")
 # What an unset variable gives, where the default alone does not say it.
 _UNSET_GIVES = {"auto_batch_size": "off: the script's batch size", "max_val": "no limit"}
 
@@ -62,6 +65,9 @@ class RematConfig:
     multiple_of: int = 1
     # ... and at most this (what the learning rate or the data allow); None: no limit.
     max_val: int | None = None
+    # A progress bar on a terminal and one INFO line per new plan, shown without any logging set-up; False: only
+    # warnings (a 15 s first step otherwise looks like a hang).
+    verbose: bool = True
 
     def __post_init__(self) -> None:
         parse_budget(self.budget)  # raises BudgetFormatError naming the accepted forms
@@ -90,6 +96,8 @@ class RematConfig:
             raise ConfigError(option="max_val", value=self.max_val,
                               reason=f"max_val {self.max_val!r} ({ENV_VARIABLES['max_val']}) must be an integer >= "
                                      f"multiple_of ({self.multiple_of})")
+        if not isinstance(self.verbose, bool):
+            raise ConfigError(option="verbose", value=self.verbose, reason=f"verbose {self.verbose!r} is not True or False")
 
     @classmethod
     def check_names(cls, names: Iterable[str], stage: str = "remat_plugin") -> None:
@@ -173,6 +181,11 @@ def _from_text(name: str, text: str) -> Any:
             return low
         raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted=_AUTO_TEXTS,
                           fix=_unset_fix(name))
+    if name == "verbose":
+        if low in _ON or low in _OFF:
+            return low in _ON
+        raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted="1, true or yes (on), or 0, "
+                          "false or no (off)", fix=_unset_fix(name))
     if low.isdigit() and int(low) >= 1:  # multiple_of, max_val
         return int(low)
     raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], reason="it must be a positive integer",

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from remat_plugin.ir.plan import BlockChoice, Plan
 from remat_plugin.runtime.forward_swap import swapped_forwards
 from remat_plugin.runtime.side_effects import restored_buffers
+from remat_plugin.torch_private import in_backward
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
 
 def _checkpointed_forward(layer: nn.Module, forward):
     def run(*args, **kwargs):
-        if torch._C._current_graph_task_id() == -1:  # the forward pass: buffers update as usual
+        if not in_backward():  # the forward pass: buffers update as usual
             return forward(*args, **kwargs)
         with restored_buffers(layer):  # a recomputation inside backward must not update buffers again
             return forward(*args, **kwargs)

@@ -17,6 +17,7 @@ from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches
 from remat_plugin.runtime.store import PlanStore
+from remat_plugin.torch_private import suspended_user_modes
 
 log = logging.getLogger(__name__)
 
@@ -28,21 +29,22 @@ class RematModule(nn.Module):
     keys are exactly the original's, and the Parameter objects are the same objects.
     Steps are resolved as in a training session (:mod:`remat_plugin.runtime.resolver`) with
     exact shapes: a call with new shapes replays a known plan that covers them, else plans
-    them inside that call.
+    them inside that call.  With ``verbose`` (default) planning shows a progress bar on a
+    terminal and logs one line per new plan (:mod:`remat_plugin.runtime.reporting`); False: warnings only.
     """
 
     original: nn.Module  # set with object.__setattr__: not a registered child
     _resolver: StepResolver  # likewise, so nn.Module does not look into it
 
     def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5, *,
-                 caches: PlanningCaches | None = None):
+                 caches: PlanningCaches | None = None, verbose: bool = True):
         super().__init__()
         object.__setattr__(self, "original", original)
         self.budget = budget
         self.ilp_time_limit_s = ilp_time_limit_s
         object.__setattr__(self, "_resolver", StepResolver(
             original, PlanStore(original), caches or PROCESS_CACHES, ilp_time_limit_s=ilp_time_limit_s,
-            find_floor=True, plan_lazily=True))
+            find_floor=True, plan_lazily=True, verbose=verbose))
         self.training = original.training
 
     # --- the original's state, unchanged -------------------------------------------------
@@ -88,7 +90,7 @@ class RematModule(nn.Module):
         budget = functools.partial(self._budget_bytes, call)
         step = self._resolver.step_for(call, budget)
         if not step.checked:
-            with unobserved(self.original, call.device):  # the first call plans; its outputs are dropped
+            with suspended_user_modes(), unobserved(self.original, call.device):  # it plans; outputs dropped
                 self._resolver.run(call, step, budget)
         self._resolver.latest = self._resolver.steps[call.key]
         plan = self._resolver.latest.plan
@@ -122,14 +124,17 @@ def rematerialize(
     budget: int | str = "80%",
     *,
     ilp_time_limit_s: float = 0.5,
+    verbose: bool = True,
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 
     ``budget`` is bytes, a size (``"300MiB"``) or a share of free device memory (``"80%"``):
     the most allocated memory may rise during one forward+backward above what is
     allocated at step start.  Raises :class:`~remat_plugin.errors.InfeasibleBudgetError`
-    with the smallest feasible budget when nothing fits.
+    with the smallest feasible budget when nothing fits.  Planning shows a progress bar on a
+    terminal and logs one summary line, on stderr when logging is not configured;
+    ``verbose=False`` keeps it quiet (warnings still show).
     """
-    rm = RematModule(module, budget, ilp_time_limit_s)
+    rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose)
     rm.prepare(tuple(args), dict(kwargs or {}))
     return rm

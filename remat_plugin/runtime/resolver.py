@@ -25,6 +25,7 @@ from torch import nn
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.progress import PlanningProgress
+from remat_plugin.runtime.reporting import announce, summary_line
 from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs
 from remat_plugin.runtime.steps import (
     PlanMismatch,
@@ -36,6 +37,7 @@ from remat_plugin.runtime.steps import (
     run_unobserved,
 )
 from remat_plugin.runtime.store import PlanStore
+from remat_plugin.torch_private import user_modes_active
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +52,15 @@ class StepResolver:
         find_floor: compute the smallest feasible budget even when the unmodified step fits.
         plan_lazily: a new plan is made inside the call that needs it (no extra forward);
             otherwise it is made before the call runs, by one unobserved forward.
-        show_progress: planning shows a progress bar or log lines.
+        verbose: planning shows a progress bar on a terminal, and each plan made or loaded here is told to
+            ``report`` as one line (:func:`~remat_plugin.runtime.reporting.summary_line`).
         on_new_plan: told of every plan added to the store (solved, loaded or received).
     """
 
     def __init__(self, module: nn.Module, store: PlanStore, caches: PlanningCaches, *, ilp_time_limit_s: float,
                  seq_bucket: BucketPolicy = None, find_floor: bool = False, plan_lazily: bool = False,
-                 show_progress: bool = False, on_new_plan: Callable[[Plan], None] | None = None):
+                 verbose: bool = False, report: Callable[[str], None] = announce,
+                 on_new_plan: Callable[[Plan], None] | None = None):
         self.module = module
         self.store = store
         self.caches = caches
@@ -64,7 +68,9 @@ class StepResolver:
         self.seq_bucket = seq_bucket
         self.find_floor = find_floor
         self.plan_lazily = plan_lazily
-        self.show_progress = show_progress
+        self.verbose = verbose
+        self.report = report
+        self._planning: dict[str, PlanningProgress] = {}  # progress of lazy plans, entered by the call that plans
         self.on_new_plan = on_new_plan
         self.steps: dict[str, PlannedStep] = {}  # exact signature key -> step
         self.latest: PlannedStep | None = None  # the step of the latest call
@@ -88,9 +94,23 @@ class StepResolver:
 
     # --- resolution ------------------------------------------------------------------------
     def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep:
-        step = self.steps.get(call.key)
+        step = self.known_step(call)
         if step is None:
             step = self.steps[call.key] = self.new_step(call, budget())
+        return step
+
+    def known_step(self, call: Call) -> PlannedStep | None:
+        """The step built for exactly this call: its shapes, and the module's parameter and buffer tensors.
+
+        A step whose tensors were replaced since (``tie_weights``, a new ``nn.Parameter``) is
+        dropped: it would run the old ones.  Its plan stays in the store and is replayed.
+        """
+        step = self.steps.get(call.key)
+        if step is not None and step.tensor_ids != call.tensor_ids:
+            log.info("remat_plugin: parameters or buffers of %s were replaced since its step for %s was built; "
+                     "rebuilding the step", type(self.module).__name__, call.signature.describe())
+            del self.steps[call.key]
+            return None
         return step
 
     def new_step(self, call: Call, budget_bytes: int) -> PlannedStep:
@@ -121,6 +141,8 @@ class StepResolver:
         stored = self.store.load_from_disk(bucket.key)
         if stored is not None and stored.predicted_peak_bytes <= budget_bytes:
             self.adopt(bucket.key, stored)
+            if self.verbose:
+                self.report(summary_line(stored, type(self.module).__name__, loaded_from=self.store.cache_dir))
             return stored, None
         if changed:
             try:
@@ -136,18 +158,24 @@ class StepResolver:
     def solve(self, call: Call, budget_bytes: int, now: bool | None = None) -> PlannedStep:
         """Capture, profile and solve for this call; with ``now`` (default: not ``plan_lazily``) before returning."""
         now = not self.plan_lazily if now is None else now
+        model = type(self.module).__name__
+        progress = PlanningProgress(f"planning {model}") if self.verbose else None
 
         def on_plan(step: PlannedStep) -> None:
             assert step.plan is not None
             self._add(call.key, step.plan, solved=True)
             self.store.save_to_disk(call.key, step.plan)
+            if progress is not None:
+                progress.close()  # the line goes where the bar was
+                self.report(summary_line(step.plan, model, elapsed_s=progress.elapsed_s))
 
-        show = self.show_progress and now
-        with PlanningProgress("planning") if show else contextlib.nullcontext() as progress:
+        with progress if progress is not None and now else contextlib.nullcontext():
             step = plan_step(self.module, call, budget_bytes, ilp_time_limit_s=self.ilp_time_limit_s,
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan)
             if now and not step.checked:
                 run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped
+        if progress is not None and not now and not step.checked:
+            self._planning[call.key] = progress  # a lazy plan is made by the step's first call: run() shows it
         return step
 
     def adopt(self, key: str, plan: Plan) -> None:
@@ -166,7 +194,7 @@ class StepResolver:
         """Run ``step`` on ``call``; a replayed plan that does not fit this graph is replaced by a new plan."""
         self.latest = step
         try:
-            return step(call.args, call.kwargs)
+            return self._call(step, call)
         except PlanMismatch as exc:  # raised by a replayed step's first call, before anything ran
             if not replan_on_mismatch:
                 raise RematError(f"remat_plugin.session: the plan agreed between ranks does not apply here: {exc}") \
@@ -174,4 +202,10 @@ class StepResolver:
             log.info("remat_plugin: plan does not replay on %s (%s); planning these shapes", call.key[:120], exc)
             step = self.steps[call.key] = self.solve(call, budget())
             self.latest = step
+            return self._call(step, call)
+
+    def _call(self, step: PlannedStep, call: Call) -> Any:
+        with self._planning.pop(call.key, contextlib.nullcontext()):
+            if not step.checked and user_modes_active():
+                run_unobserved(self.module, step, call)  # capture and planning outside the caller's modes
             return step(call.args, call.kwargs)

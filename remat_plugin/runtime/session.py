@@ -31,6 +31,7 @@ from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.dispatch import Dispatcher
 from remat_plugin.runtime.optimizer_state import pending_state_bytes
+from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.signature import Call, device_of
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlanningCaches
@@ -46,19 +47,21 @@ class RematSession:
         optimizers: returns the optimizers of the module's parameters, called when a budget is
             needed: state they have not created yet is taken out of it.
         on_new_plan: told of every new plan (solved, loaded from disk or received from rank 0).
+        report: where the one-line summary of each plan solved or loaded here goes, with ``config.verbose``
+            (default: the ``remat_plugin`` logger on rank 0, shown without logging set up).
         caches: op timings and prepared planners (default: the process's).
     """
 
     def __init__(self, module: nn.Module, config: RematConfig | None = None, *,
                  optimizers: Callable[[], Iterable] = tuple, on_new_plan: Callable[[Plan], None] | None = None,
-                 caches: PlanningCaches | None = None):
+                 caches: PlanningCaches | None = None, report: Callable[[str], None] = announce):
         self.module = module
         self.config = config or RematConfig()
         self.optimizers = optimizers
         self.store = PlanStore(module, self.config.cache_dir)
         self.resolver = StepResolver(module, self.store, caches or PROCESS_CACHES,
                                      ilp_time_limit_s=self.config.ilp_time_limit_s, seq_bucket=self.config.seq_bucket,
-                                     show_progress=True, on_new_plan=on_new_plan)
+                                     verbose=self.config.verbose, report=report, on_new_plan=on_new_plan)
         self.agreement = RankAgreement(self.resolver)
         self._dispatch = Dispatcher(module, self._run)
 
@@ -118,7 +121,7 @@ class RematSession:
         budget = total - pending
         if budget <= 0:
             raise InfeasibleBudgetError(total, total + pending, what="training step (its optimizer state alone)")
-        log.info("remat_plugin: budget %s (%s) less %s of optimizer state still to be created: %s for forward+backward",
+        log.debug("remat_plugin: budget %s (%s) less %s of optimizer state still to be created: %s for forward+backward",
                  human_bytes(total), self.config.budget, human_bytes(pending), human_bytes(budget))
         return budget
 

@@ -1,25 +1,32 @@
 """Input signatures and shape buckets: which plan serves which call.
 
 A :class:`Signature` is what a plan depends on: the pytree layout of the call, per leaf its
-shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), and train and
-grad mode.  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
+shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), train and grad
+mode, and the module's state: the names, shapes and dtypes of its parameters and buffers and
+which parameters require gradients (unfreezing a layer or adding an adapter is a new graph).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
 
 Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean inputs: token
 ids, masks, labels) rounds up, by default to a power of two.  The batch dimension is not
 rounded: a new batch size is a new bucket, while a smaller one (the last partial batch) is
 served by the plan of the larger, since a plan for larger shapes of the same graph is
 memory-safe (:meth:`Signature.covers`).
+
+A :class:`Call` also carries the identities of the module's parameter and buffer tensors: a
+built step holds the tensors it was traced with, so a Parameter replaced since (``tie_weights``,
+``layer.weight = nn.Parameter(...)``) must rebuild the step, though its plan still applies.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
+
+from remat_plugin.torch_private import pytree
 
 BucketPolicy = str | int | None  # "pow2", a multiple such as 64, or None (exact lengths)
 
@@ -34,32 +41,36 @@ class Signature:
     leaves: tuple[TensorLeaf | str, ...]
     training: bool
     grad_enabled: bool
+    state: str = ""  # fingerprint of the module's parameters and buffers (module_state)
 
     @classmethod
-    def of(cls, module: nn.Module, args: tuple, kwargs: dict) -> Signature:
+    def of(cls, module: nn.Module, args: tuple, kwargs: dict, state: str | None = None) -> Signature:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         desc: list[TensorLeaf | str] = [
             (tuple(x.shape), str(x.dtype), x.device.type, bool(x.requires_grad)) if isinstance(x, torch.Tensor)
             else repr(x)
             for x in leaves
         ]
-        return cls(str(spec), tuple(desc), bool(module.training), bool(torch.is_grad_enabled()))
+        if state is None:
+            state = module_state(module)[0]
+        return cls(str(spec), tuple(desc), bool(module.training), bool(torch.is_grad_enabled()), state)
 
     @property
     def key(self) -> str:
         """A stable string for this signature (JSON)."""
         leaves = [x if isinstance(x, str) else [list(x[0]), x[1], x[2], x[3]] for x in self.leaves]
-        return json.dumps([self.layout, leaves, self.training, self.grad_enabled], separators=(",", ":"))
+        return json.dumps([self.layout, leaves, self.training, self.grad_enabled, self.state], separators=(",", ":"))
 
     @classmethod
     def from_key(cls, key: str) -> Signature:
-        layout, leaves, training, grad = json.loads(key)
+        layout, leaves, training, grad, *state = json.loads(key)  # keys written before the state have none
         return cls(layout, tuple(x if isinstance(x, str) else (tuple(x[0]), x[1], x[2], x[3]) for x in leaves),
-                   training, grad)
+                   training, grad, state[0] if state else "")
 
     def covers(self, small: Signature) -> bool:
         """Whether a plan for ``self`` serves ``small``: same layout, dtypes and modes, no dimension larger."""
-        if (self.layout, self.training, self.grad_enabled) != (small.layout, small.training, small.grad_enabled):
+        if (self.layout, self.training, self.grad_enabled, self.state) != (
+                small.layout, small.training, small.grad_enabled, small.state):
             return False
         if len(self.leaves) != len(small.leaves):
             return False
@@ -92,6 +103,21 @@ def describe(key: str) -> str:
         return key[:120]
 
 
+def module_state(module: nn.Module) -> tuple[str, tuple[int, ...]]:
+    """The module's parameters and buffers: a fingerprint of what the graph depends on, and their identities.
+
+    The fingerprint covers names, shapes, dtypes and ``requires_grad``; the identities tell a
+    replaced tensor of the same kind apart (see the module docstring).
+    """
+    parts: list[str] = []
+    ids: list[int] = []
+    for kind, named in (("p", module.named_parameters()), ("b", module.named_buffers())):
+        for name, t in named:
+            parts.append(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}:{int(t.requires_grad)}")
+            ids.append(id(t))
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12], tuple(ids)
+
+
 def device_of(args: tuple, kwargs: dict, module: nn.Module) -> torch.device:
     """The device the step runs on: that of the first tensor input, else of the parameters."""
     for x in pytree.tree_leaves((args, kwargs)):
@@ -109,11 +135,13 @@ class Call:
     kwargs: dict
     signature: Signature
     device: torch.device
+    tensor_ids: tuple[int, ...] = ()  # identities of the module's parameters and buffers (module_state)
 
     @classmethod
     def of(cls, module: nn.Module, args: tuple, kwargs: dict) -> Call:
         args, kwargs = tuple(args), dict(kwargs)
-        return cls(args, kwargs, Signature.of(module, args, kwargs), device_of(args, kwargs, module))
+        state, ids = module_state(module)
+        return cls(args, kwargs, Signature.of(module, args, kwargs, state), device_of(args, kwargs, module), ids)
 
     @property
     def key(self) -> str:

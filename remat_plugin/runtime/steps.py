@@ -35,6 +35,7 @@ from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.runtime.fallback import checkpointed_layers, fallback_plan, find_layer_chain
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
+from remat_plugin.torch_private import suspended_user_modes
 
 
 class PlanMismatch(Exception):
@@ -67,6 +68,8 @@ class PlannedStep:
     once the first call has checked it); ``problem`` is the planning problem it was solved on
     (None for a replayed plan, whose graph carries no measured times, and for a fallback).
     ``checked`` is True once the plan is made or checked for this graph (the first call).
+    ``tensor_ids`` are the identities of the module's parameters and buffers it was built with
+    (:func:`~remat_plugin.runtime.signature.module_state`): it runs those tensors.
     """
 
     run: Callable[[tuple, dict], Any]
@@ -74,6 +77,7 @@ class PlannedStep:
     plan: Plan | None = None
     problem: Problem | None = None
     checked: bool = False
+    tensor_ids: tuple[int, ...] = ()
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         return self.run(args, kwargs)
@@ -106,7 +110,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
     else :class:`CaptureError`.
     """
-    step = PlannedStep(run=_not_built, signature_key=call.key)
+    step = PlannedStep(run=_not_built, signature_key=call.key, tensor_ids=call.tensor_ids)
 
     def plan_and_emit(joint: JointGraph):
         t0 = time.perf_counter()
@@ -157,7 +161,8 @@ def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
     if chain is None:
         raise CaptureError(f"remat_plugin.runtime: the plan is a fallback ({plan.fallback}), but "
                            f"{type(module).__name__} has no list of repeated layers here to checkpoint")
-    return PlannedStep(run=_checkpointed_run(module, chain[1]), signature_key=call.key, plan=plan, checked=True)
+    return PlannedStep(run=_checkpointed_run(module, chain[1]), signature_key=call.key, plan=plan, checked=True,
+                       tensor_ids=call.tensor_ids)
 
 
 def _checkpointed_run(module: nn.Module, layers: list[nn.Module]) -> Callable[[tuple, dict], Any]:
@@ -175,7 +180,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) ->
     (before running anything) if the graph differs or the schedule would exceed ``budget_bytes``."""
     if plan.fallback or not plan.graph_key:
         raise PlanMismatch("the plan has no schedule to replay")
-    step = PlannedStep(run=_not_built, signature_key=call.key, plan=plan)
+    step = PlannedStep(run=_not_built, signature_key=call.key, plan=plan, tensor_ids=call.tensor_ids)
 
     def check_and_emit(joint: JointGraph):
         key = graph_key(joint)
@@ -199,8 +204,12 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) ->
 
 
 def run_unobserved(module: nn.Module, step: PlannedStep, call: Call) -> None:
-    """Run ``step`` once on ``call`` without a trace (buffers and RNG restored, outputs dropped): it plans."""
-    with unobserved(module, call.device):
+    """Run ``step`` once on ``call`` without a trace (buffers and RNG restored, outputs dropped): it plans.
+
+    The caller's dispatch and function modes are suspended: capture traces fake tensors, and
+    profiling is not the user's step.
+    """
+    with suspended_user_modes(), unobserved(module, call.device):
         step(call.args, call.kwargs)
 
 
@@ -224,6 +233,6 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     if progress is not None:
         progress.stage("capture")
     run = build_step(module, call.args, call.kwargs, record, call.device)
-    with unobserved(module, call.device):
+    with suspended_user_modes(), unobserved(module, call.device):
         run(call.args, call.kwargs)
     return found["problem"], found["constants"]

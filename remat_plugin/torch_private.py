@@ -1,0 +1,125 @@
+"""Every private PyTorch API remat_plugin touches, in one place, checked against the tested torch versions.
+
+Capture and execution lean on AOTAutograd's partitioner hooks, fake tensors and fx code
+generation, none of which are public.  They move between releases (torch 2.14 began
+asserting that every saved value's metadata is a fake tensor), so each one is imported
+here and only here; a new torch release is ported by reading this file.
+
+``TESTED_TORCH`` is the range CI runs (the core tests on each minor release, see the
+Makefile).  Importing remat_plugin under another torch raises :class:`UnsupportedTorchError`
+naming the installed and the tested versions; ``REMAT_ALLOW_UNTESTED_TORCH=1`` turns that
+into a warning for people porting to a new release.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch._functorch._aot_autograd.descriptors import (
+    SavedForBackwardsAOTOutput,
+    SavedForBackwardsNoVcCheckAOTOutput,
+)
+from torch._functorch._aot_autograd.utils import _is_primal as is_primal
+from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent
+from torch._functorch.aot_autograd import aot_function
+from torch._functorch.partitioners import _extract_fwd_bwd_outputs as extract_fwd_bwd_outputs
+from torch._functorch.partitioners import _extract_graph_with_inputs_outputs as extract_graph_with_inputs_outputs
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.fx._lazy_graph_module import _make_graph_module as make_graph_module
+from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from remat_plugin.errors import RematError
+
+__all__ = [
+    "TESTED_TORCH",
+    "BoxedCodeGen",
+    "FakeTensor",
+    "FunctionalTensor",
+    "OpOverload",
+    "SavedForBackwardsAOTOutput",
+    "SavedForBackwardsNoVcCheckAOTOutput",
+    "TorchDispatchMode",
+    "UnsupportedTorchError",
+    "activation_memory_budget",
+    "aot_function",
+    "extract_fwd_bwd_outputs",
+    "extract_graph_with_inputs_outputs",
+    "in_backward",
+    "is_primal",
+    "is_tangent",
+    "make_graph_module",
+    "pytree",
+    "reset_dynamo",
+    "suspended_user_modes",
+    "unset_fake_temporarily",
+    "user_modes_active",
+]
+
+TESTED_TORCH = ((2, 13), (2, 14))  # (major, minor) releases CI runs; see the Makefile
+
+
+class UnsupportedTorchError(RematError, ImportError):
+    """The installed torch is outside the range remat_plugin is tested on."""
+
+
+def _check_version(version: str) -> None:
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    if (major, minor) in TESTED_TORCH:
+        return
+    tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TORCH)
+    message = (f"remat_plugin: torch {version} is not a tested release (tested: {tested}); remat_plugin relies on "
+               f"private AOTAutograd APIs (remat_plugin/torch_private.py) that change between releases. Install a "
+               f"tested torch (pip install 'torch>={TESTED_TORCH[0][0]}.{TESTED_TORCH[0][1]},"
+               f"<{TESTED_TORCH[-1][0]}.{TESTED_TORCH[-1][1] + 1}'), or set REMAT_ALLOW_UNTESTED_TORCH=1 to try anyway")
+    if os.environ.get("REMAT_ALLOW_UNTESTED_TORCH", "").strip().lower() in ("1", "true", "yes"):
+        warnings.warn(message, stacklevel=3)
+        return
+    raise UnsupportedTorchError(message)
+
+
+_check_version(torch.__version__)
+
+
+def reset_dynamo() -> None:
+    """Forget torch.compile's compiled code (a benchmark peer compiles the same module under several settings)."""
+    torch._dynamo.reset()
+
+
+def activation_memory_budget(ratio: float) -> contextlib.AbstractContextManager[None]:
+    """torch.compile's min-cut partitioner keeps about ``ratio`` of its activations (the peer we compare with)."""
+    return torch._functorch.config.patch(activation_memory_budget=ratio)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a checkpoint recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def user_modes_active() -> bool:
+    """Whether the caller has a ``TorchDispatchMode`` or ``TorchFunctionMode`` (a FLOP counter, a tracker) active."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch._C._len_torch_function_stack() > 0
+
+
+@contextlib.contextmanager
+def suspended_user_modes() -> Iterator[None]:
+    """The caller's dispatch and function modes are off inside, and back, in order, on exit.
+
+    Capture traces with fake tensors; a user's mode that reads data (a memory tracker's
+    ``data_ptr``) fails on them, and one that counts ops would count the tracing.
+    """
+    function_modes = []
+    while torch._C._len_torch_function_stack() > 0:
+        function_modes.append(torch._C._pop_torch_function_stack())
+    try:
+        with _disable_current_modes():
+            yield
+    finally:
+        for mode in reversed(function_modes):
+            torch._C._push_on_torch_function_stack(mode)

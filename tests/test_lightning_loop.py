@@ -1,0 +1,66 @@
+"""AutoRemat under the training loops Lightning users write: gradient accumulation, layers unfrozen mid-run."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+import lightning.pytorch as pl
+
+from remat_plugin.integrations.lightning import AutoRemat
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from lightning_gpt2 import StepRecorder, load_options, train
+
+TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_size=500", "model.n_positions=256",
+        "data.batch_size=4", "trainer.precision=64-true", "data.seq_lens=[128]"]
+
+
+def _run(options, budget=None, callbacks=(), **kwargs):
+    recorder = StepRecorder()
+    auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2, verbose=False) if budget is not None else None
+    trainer, model = train(options, [*([auto] if auto else []), recorder, *callbacks], **kwargs)
+    return recorder, auto, model
+
+
+def test_accumulate_grad_batches_losses_equal_the_run_without_remat():
+    """accumulate_grad_batches=4: 8 micro-batches, 2 optimizer steps; every loss equals the plain run's, bitwise."""
+    options = load_options(None, [*TINY, "data.batches_per_len=8", "trainer.max_steps=2"])
+    plain, _, plain_model = _run(options, accumulate_grad_batches=4)
+    budget = max(plain.peaks) // 2
+    ours, auto, our_model = _run(options, budget, accumulate_grad_batches=4)
+    assert len(ours.losses) == 8 and ours.losses == plain.losses
+    assert auto.session.n_solved == 1 and any(b.mode != "keep" for b in auto.session.plan.blocks)
+    for (name, p), q in zip(our_model.named_parameters(), plain_model.parameters()):
+        assert p.equal(q), name  # the accumulated updates too
+
+
+class UnfreezeAt(pl.Callback):
+    """Progressive unfreezing: the first layer trains only from batch ``at`` on."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def _first_layer(self, pl_module):
+        return pl_module.model.transformer.h[0]
+
+    def on_train_start(self, trainer, pl_module):
+        self._first_layer(pl_module).requires_grad_(False)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            self._first_layer(pl_module).requires_grad_(True)
+
+
+def test_unfreezing_mid_run_replans_and_losses_equal_the_run_without_remat():
+    options = load_options(None, [*TINY, "data.batches_per_len=4", "trainer.max_steps=4"])
+    plain, _, _ = _run(options, callbacks=[UnfreezeAt(2)])
+    budget = max(plain.peaks) * 6 // 10
+    ours, auto, model = _run(options, budget, callbacks=[UnfreezeAt(2)])
+    assert ours.losses == plain.losses
+    assert auto.session.n_solved == 2  # the unfrozen layer's gradients are a new graph
+    assert model.model.transformer.h[0].attn.c_attn.weight.grad is not None
+    assert max(ours.peaks) <= budget, (ours.peaks, budget)

@@ -4,36 +4,30 @@ import os
 import pytest
 import torch
 
-# Under pytest-xdist (`make test` runs `pytest -n 2 --dist loadgroup`) the workers share the cores: each gets
-# cores // workers torch threads instead of all of them, and the subprocesses its tests start inherit the same
-# through OMP_NUM_THREADS.  A value the caller set wins.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+# Under pytest-xdist (`make test` runs `pytest -n 2`) the workers share the cores: each gets cores // workers torch
+# threads instead of all of them, and the subprocesses its tests start inherit the same through OMP_NUM_THREADS.
+# A value the caller set wins.
+_XDIST = bool(os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
+if _XDIST:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# With --dist loadgroup, the tests of one group run on one worker, one after the other:
-# - "launch": every test that starts `accelerate launch`/`remat launch`, which listen on accelerate's fixed default
-#   port (29500); two at once on two workers would collide.
-# - a file whose module-scoped fixture is expensive (a launch, a benchmark subprocess, a plan-quality study) runs on
-#   one worker so that the fixture is built once, not once per worker; a parametrized one per parameter.
-_GROUPS = {
-    "test_accelerate_launch.py": "launch",
-    "test_bench_cli.py": "bench_cli",
-    "test_bench_compare.py": "bench_compare",
-    "test_output.py": "output",  # its subprocess runs are cached per process (functools.cache)
-    "test_plan_quality.py": "plan_quality",
-}
+# The whole suite runs with --dist loadfile, each file on one worker: the 3 `accelerate launch` tests, which all
+# listen on accelerate's default port 29500, never run at once, and a module-scoped fixture (a launch, a benchmark
+# run, a plan-quality study) is built once.  The files are handed out in collection order (--no-loadscope-reorder),
+# reordered here so that the longest start first and no long file is left to run alone at the end.  (xdist_group
+# with --dist loadgroup groups nothing under pytest 9.2 + pytest-xdist 3.8: xdist renames item._nodeid, pytest
+# reads item._id.)
+_LONGEST_FIRST = ["test_model_families.py", "test_plan_quality.py", "test_api.py", "test_lightning.py",
+                  "test_accelerate_launch.py", "test_cli.py", "test_training_loop.py", "test_bench_batch_size.py",
+                  "test_rank_failures.py", "test_output.py", "test_accelerate_batch_size.py", "test_bench_compare.py"]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = _GROUPS.get(item.path.name)
-        if group is None:
-            continue
-        param = getattr(item, "callspec", None) and item.callspec.params.get("study")
-        item.add_marker(pytest.mark.xdist_group(f"{group}-{param}" if param else group))
+    if _XDIST:
+        rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
 
 
 @pytest.fixture(autouse=True)

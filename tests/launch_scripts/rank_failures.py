@@ -126,6 +126,9 @@ def main() -> None:
     except Exception as exc:
         print(f"rank_failures: rank {rank} raised {time.perf_counter() - t0:.1f} s into training, at {time.time():.1f}: "
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        # The launcher kills the other rank as soon as one exits: give it the moment it needs to print its own line
+        # (the library has already raised on both ranks; this only keeps the launcher from hiding one of them).
+        time.sleep(3)
         raise
 
     inner = [accelerator.unwrap_model(m) for m in (model, plain)]

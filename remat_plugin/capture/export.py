@@ -163,5 +163,7 @@ def build_step(
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
 
-    step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition_fn)
+    # enable_log=False: AOTAutograd would otherwise print the whole joint and fw/bw graphs to strings for its
+    # structured log at every capture (0.3-0.7 s on a 4-16-layer Llama), whether or not anyone reads the log.
+    step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition_fn, enable_log=False)
     return step

@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import pulp
-
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import Simulation, simulate, simulate_within
 from remat_plugin.planning.blocks import Block, make_blocks
@@ -172,13 +170,13 @@ def checkmate_solve(
     ilp = BlockIlp.build(problem, solver) if ilp is None else ilp
     found = ilp.solve(budget_bytes, None, time_limit_s, gap_rel=_gap(gap_rel))
     if found is None:
-        infeasible = ilp.prob.status == pulp.LpStatusInfeasible
+        infeasible = ilp.status == "infeasible"
         return CheckmateResult(None, infeasible, "infeasible" if infeasible else "none", None)
     schedule, solution = found
-    if not solution:  # only the rounded LP relaxation returns an empty solution
+    if solution is None:  # only the rounded LP relaxation returns no solution
         return CheckmateResult(schedule, False, "rounded", None)
-    optimal = ilp.prob.sol_status == pulp.LpSolutionOptimal
-    return CheckmateResult(schedule, optimal, "optimal" if optimal else "feasible", pulp.value(ilp.recompute_ms))
+    optimal = ilp.status == "optimal"
+    return CheckmateResult(schedule, optimal, "optimal" if optimal else "feasible", ilp.objective_value)
 
 
 def checkmate_min_peak(
@@ -190,5 +188,5 @@ def checkmate_min_peak(
     found = ilp.solve(big, None, time_limit_s, objective="peak", gap_rel=_gap(gap_rel))
     if found is None:
         raise RuntimeError("checkmate_min_peak: the whole-graph ILP found no schedule")
-    optimal = bool(found[1]) and ilp.prob.sol_status == pulp.LpSolutionOptimal
+    optimal = found[1] is not None and ilp.status == "optimal"
     return simulate(problem, found[0]).peak_bytes, optimal

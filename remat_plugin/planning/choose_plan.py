@@ -16,7 +16,7 @@ from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_marg
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.baselines import rotor_schedule, sqrt_n_schedule
-from remat_plugin.planning.budget_search import ScheduleCandidate, fastest_fitting, hill_climb, refine
+from remat_plugin.planning.budget_search import ScheduleCandidate, fastest_fitting, hill_climb, lowest_peak, refine
 from remat_plugin.planning.menus import Planner, kept_reads
 from remat_plugin.planning.solvers.chain import ChainPlan
 
@@ -95,7 +95,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     if not find_floor and base.peak_bytes <= budget_bytes:
         return _unmodified_plan(problem, base, user_budget_bytes, t0), keep_all
     planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s, progress)
-    floor = planner.lowest_peak_candidate()
+    floor = lowest_peak(planner)
     min_feasible = budget_for_peak(min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes)
     chosen: ScheduleCandidate | None = None
     if base.peak_bytes <= budget_bytes:

@@ -59,7 +59,7 @@ class Planner:
     first_of: dict[tuple, Block] = field(default_factory=dict)  # block key -> the block its menu was solved on
     ilps: dict[tuple, BlockIlp] = field(default_factory=dict)  # block key -> its ILP model, for re-solving
     greedy_blocks: list[int] = field(default_factory=list)  # blocks too big for the ILP (NOTE [big blocks])
-    lowest: tuple[Schedule, Simulation, ChainPlan] | None = None  # see lowest_peak_candidate
+    lowest: tuple[Schedule, Simulation, ChainPlan] | None = None  # see budget_search.lowest_peak
     notes: list[str] = field(default_factory=list)  # for Plan.notes
 
     def prepare(self, progress=None) -> None:
@@ -161,17 +161,6 @@ class Planner:
 
     def min_dp_budget(self) -> int:
         return min_feasible_budget(self.chain, self.n_slots)
-
-    def lowest_peak_candidate(self) -> tuple[Schedule, Simulation, ChainPlan] | None:
-        """The schedule with the lowest simulated peak found so far: the chain DP at its least budget.
-
-        Kept across calls, because options added later (refine) can make the DP pick a faster schedule
-        at that budget whose simulated peak is higher; a budget once reported as feasible stays so.
-        """
-        found = self.try_budget(self.min_dp_budget())
-        if found is not None and (self.lowest is None or found[1].peak_bytes < self.lowest[1].peak_bytes):
-            self.lowest = found
-        return self.lowest
 
 
 def kept_reads(problem: Problem, schedule: Schedule) -> set[str]:

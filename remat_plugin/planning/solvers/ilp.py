@@ -49,6 +49,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
 from remat_plugin.ir.problem import Problem, Schedule
@@ -73,7 +74,7 @@ class BlockOption:
     schedule: Schedule
 
 
-Solution = dict[str, float]  # variable name -> value of an accepted integer solution
+Solution = np.ndarray  # an accepted integer solution: the value of each column of BlockIlp.columns
 
 
 class BlockIlp:
@@ -89,6 +90,10 @@ class BlockIlp:
         self.recompute_ms = pulp.LpAffineExpression()
         self.peak = self.prob.add_variable("peak_units", lowBound=0)
         self.kept = self.prob.add_variable("kept_units", lowBound=0)
+        self.columns: list[pulp.LpVariable] = []  # the variables in one fixed order (a Solution's order)
+        self.status = "none"  # the last solve's outcome: see pulp_backend.Outcome
+        self.objective_value: float | None = None
+        self._highs: pulp_backend.PersistentHighs | None = None
 
     # ----------------------------------------------------------------- build
     @classmethod
@@ -106,6 +111,7 @@ class BlockIlp:
         ilp.prob += ilp.peak <= 0, "peak_budget"  # right-hand sides set per solve: set_budgets
         ilp.prob += ilp.kept <= 0, "kept_budget"
         ilp.prob.setObjective(ilp.recompute_ms)
+        ilp.columns = ilp.prob.variables()
         return ilp
 
     def _index(self) -> None:
@@ -306,32 +312,48 @@ class BlockIlp:
         warm: Solution | None = None,
         objective: str = "recompute",
         gap_rel: float = pulp_backend.DEFAULT_GAP_REL,
-    ) -> tuple[Schedule, Solution] | None:
+    ) -> tuple[Schedule, Solution | None] | None:
         """A simulator-checked schedule within the budgets (ILP, else rounded LP relaxation), or None.
 
         ``gap_rel``: the MILP relative gap accepted as optimal (0 asks for a proof of optimality).
         """
         self.set_budgets(peak_budget_bytes, kept_budget_bytes)
-        self.prob.setObjective(
-            {"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective]
-        )
-        if warm is not None:
-            for var in self.prob.variables():
-                var.varValue = warm.get(var.name, 0.0)
-        if pulp_backend.solve(self.prob, self.solver, time_limit_s, warm_start=warm is not None, gap_rel=gap_rel):
+        goal = {"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective]
+        if self._run(goal, time_limit_s, warm, gap_rel):
             schedule = self.schedule_from_values()
             if simulate_within(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:
-                return schedule, {v.name: round(v.varValue or 0.0) for v in self.prob.variables()}
+                return schedule, np.round([v.varValue or 0.0 for v in self.columns])
             logger.warning(
                 "remat_plugin.planning: ILP solution failed the simulator check (peak budget %d B)", peak_budget_bytes
             )
-        if self.prob.status == pulp.LpStatusInfeasible:
+        if self.status == "infeasible":
             return None
         return self._round_relaxation(peak_budget_bytes, kept_budget_bytes, time_limit_s)
 
+    def _run(self, goal: pulp.LpAffineExpression, time_limit_s: float, warm: Solution | None, gap_rel: float) -> bool:
+        """One MILP solve; True iff the variables now hold an optimal or integer-feasible solution."""
+        self.prob.setObjective(goal)  # also the objective of a later _round_relaxation
+        if self.solver == "highs":
+            if self._highs is None:
+                self._highs = pulp_backend.PersistentHighs(self.prob)
+                assert self._highs.columns == self.columns
+            outcome = self._highs.solve(goal, ("peak_budget", "kept_budget"), time_limit_s, gap_rel, warm)
+            self.status, self.objective_value = outcome.status, outcome.objective
+            if outcome.values is not None:
+                self._highs.assign(outcome.values)
+            return outcome.values is not None
+        if warm is not None:
+            for var, x in zip(self.columns, warm.tolist()):
+                var.varValue = x
+        usable = pulp_backend.solve(self.prob, self.solver, time_limit_s, warm_start=warm is not None, gap_rel=gap_rel)
+        self.status = ("optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "feasible") if usable else (
+            "infeasible" if self.prob.status == pulp.LpStatusInfeasible else "none")
+        self.objective_value = pulp.value(goal) if usable else None
+        return usable
+
     def _round_relaxation(
         self, peak_budget_bytes: int, kept_budget_bytes: int | None, time_limit_s: float
-    ) -> tuple[Schedule, Solution] | None:
+    ) -> tuple[Schedule, Solution | None] | None:
         """Checkmate's fallback: solve the LP relaxation, round R and S[0], repair by recompute-on-demand."""
         if not pulp_backend.solve(self.prob, self.solver, time_limit_s, mip=False):
             return None
@@ -358,7 +380,7 @@ class BlockIlp:
         if not fitting:
             return None
         logger.info("remat_plugin.planning: using a rounded LP relaxation (no integer solution in %.1f s)", time_limit_s)
-        return min(fitting, key=lambda x: x[0])[1], {}
+        return min(fitting, key=lambda x: x[0])[1], None
 
 
 def solve_schedule(
@@ -418,7 +440,7 @@ class _Found:
     schedule: Schedule
     sim: Simulation
     region: tuple[int, int] | None  # None: not a least-recompute answer (only a warm start)
-    solution: Solution
+    solution: Solution | None  # None: no integer solution to warm-start from
 
     def fits(self, peak_bytes: int, kept_bytes: int) -> bool:
         return self.sim.peak_bytes <= peak_bytes and self.sim.kept_bytes <= kept_bytes
@@ -458,14 +480,14 @@ def block_menu(
     sim_all = simulate(problem, keep_all)
     ilp = ilp if ilp is not None and ilp.problem is problem else BlockIlp.build(problem, solver)
     big = sim_all.peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1  # no budget
-    found = [_Found(keep_all, sim_all, (big, big), {})]  # keep-all is optimal wherever it fits
+    found = [_Found(keep_all, sim_all, (big, big), None)]  # keep-all is optimal wherever it fits
     for objective in ("kept", "peak"):  # the grid's low ends, then the least recompute there
         extreme = ilp.solve(big, None, time_limit_s, objective=objective)
         if extreme is None:
             continue
         sim = simulate(problem, extreme[0])
         region = (big, sim.kept_bytes) if objective == "kept" else (sim.peak_bytes, big)
-        cheaper = ilp.solve(*region, time_limit_s, warm=extreme[1] or None)
+        cheaper = ilp.solve(*region, time_limit_s, warm=extreme[1])
         found.append(
             _Found(
                 *(cheaper or extreme)[:1],
@@ -481,11 +503,11 @@ def block_menu(
         for kept in reversed(kepts):
             if any(peak <= p and kept <= k for p, k in infeasible) or any(f.settles(peak, kept) for f in found):
                 continue
-            fitting = [f for f in found if f.fits(peak, kept) and f.solution]
+            fitting = [f for f in found if f.fits(peak, kept) and f.solution is not None]
             warm = min(fitting, key=lambda f: f.sim.recompute_ms).solution if fitting else None
             answer = ilp.solve(peak, kept, time_limit_s, warm=warm)
             if answer is None:
-                if ilp.prob.status == pulp.LpStatusInfeasible:
+                if ilp.status == "infeasible":
                     infeasible.append((peak, kept))
                 continue
             found.append(_Found(answer[0], simulate(problem, answer[0]), (peak, kept), answer[1]))

@@ -131,11 +131,17 @@ class Planner:
 
     def assemble(self, chain_plan: ChainPlan) -> Schedule:
         """The whole-graph backward sequence realising a chain plan (the first forward pass is implicit)."""
+        return self.assemble_spans(chain_plan)[0]
+
+    def assemble_spans(self, chain_plan: ChainPlan) -> tuple[Schedule, list[tuple[int, int]]]:
+        """:meth:`assemble`, and for each action from the first ``bwd`` on, its (start, end) in the sequence."""
         actions = list(chain_plan.actions)
         first_bwd = next(i for i, a in enumerate(actions) if a.kind == "bwd")
         seq: list[str] = []
+        spans: list[tuple[int, int]] = []
         for a in actions[first_bwd:]:
             b = self.blocks[a.block]
+            start = len(seq)
             if a.kind == "bwd":
                 seq.extend(self.menus[a.block][a.option].schedule.bwd_sequence)
             else:
@@ -143,7 +149,31 @@ class Planner:
                 if a.kind == "fwd":
                     wanted |= kept_reads(b.problem, self.menus[a.block][a.option].schedule)
                 seq.extend(_ancestors_in_order(b.problem, wanted))
-        return Schedule(tuple(seq))
+            spans.append((start, len(seq)))
+        return Schedule(tuple(seq)), spans
+
+    def blocks_at_peak(self, chain_plan: ChainPlan, sim: Simulation) -> list[int]:
+        """Blocks whose option choice counts at the simulated peak: the one running, and those holding kept sets.
+
+        Only these can lower that moment's memory by changing options (NOTE [chain memory model]).
+        """
+        n_fwd = len(self.problem.fwd_ops)
+        peak_at = max(range(len(sim.timeline_bytes)), key=sim.timeline_bytes.__getitem__)
+        actions = list(chain_plan.actions)
+        first_bwd = next(i for i, a in enumerate(actions) if a.kind == "bwd")
+        if peak_at < n_fwd:  # in the first forward pass: the block making that op
+            name = self.problem.fwd_ops[peak_at].name
+            at = next(i for i, a in enumerate(actions[:first_bwd]) if name in self.blocks[a.block].fwd_ops)
+        else:
+            _, spans = self.assemble_spans(chain_plan)
+            at = first_bwd + next(i for i, (s, e) in enumerate(spans) if s <= peak_at - n_fwd < e)
+        holding = []
+        for i, a in enumerate(actions):
+            if a.kind == "fwd" and i <= at:
+                done = any(b.kind == "bwd" and b.block == a.block for b in actions[i + 1 : at])
+                if not done:
+                    holding.append(a.block)
+        return sorted({actions[at].block, *holding})
 
     def add_option(self, block: Block, option: BlockOption) -> None:
         """Give ``block`` and every block identical to it one more menu option."""

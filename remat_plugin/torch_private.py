@@ -55,6 +55,7 @@ __all__ = [
     "is_primal",
     "is_tangent",
     "make_graph_module",
+    "profiler_active",
     "pytree",
     "reset_dynamo",
     "suspended_user_modes",
@@ -100,6 +101,11 @@ def activation_memory_budget(ratio: float) -> contextlib.AbstractContextManager[
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (a checkpoint recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def profiler_active() -> bool:
+    """Whether a ``torch.profiler`` session (the caller's, or one of our meters) is recording on this process."""
+    return bool(torch._C._autograd._profiler_enabled())
 
 
 def user_modes_active() -> bool:

@@ -3,11 +3,12 @@ import copy
 
 import pytest
 import torch
+from budgets import sweep
 from torch import nn
 
 from remat_plugin import CaptureError, InfeasibleBudgetError, rematerialize
 from remat_plugin.bench.models import build
-from remat_plugin.capture.memory_meter import measure_peak
+from remat_plugin.capture.memory_meter import measure_peak, measure_peak_profiler
 from remat_plugin.ir.plan import budget_for_peak
 
 SMALL = {
@@ -76,19 +77,26 @@ def test_float32_within_tolerance():
     _assert_same_step(rm, a, b, batch, exact=False)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "mlp-chain"])
+# How far the prediction may be from the allocator: within 5%, except that the planner keeps an LM's logits
+# alive to the end of the step while a caller that keeps only the loss frees them early (gpt2-tiny: 5-9% below).
+PREDICTION_TOLERANCE = {"gpt2-tiny": 0.10, "mlp-chain": 0.05, "resnet-tiny": 0.05}
+
+
+@pytest.mark.parametrize("name", sorted(PREDICTION_TOLERANCE))
 def test_budget_sweep_measured_within_budget_and_prediction(name):
-    """10-point sweep: measured peak ≤ budget; prediction within 10% of the meter."""
+    """10-point sweep, float32, measured at the CPU allocator (profiler events, oneDNN scratch included): peak ≤
+    budget at every point; prediction within PREDICTION_TOLERANCE of the meter."""
     a, _ = _pair(name, torch.float32)
     batch = a.make_batch(0)
     plan = rematerialize(a.module, *batch, budget=10**12).plan
-    base, floor = budget_for_peak(plan.baseline_peak_bytes), plan.min_feasible_bytes
-    for i in range(10):
-        budget = int(base - (base - floor) * i / 9)
+    for i, budget in enumerate(sweep(plan)):
         rm = rematerialize(a.module, *batch, budget=budget)
-        measured = measure_peak(lambda rm=rm: _step(rm, a, batch))[1]
+        _step(rm, a, batch)  # the first call plans and builds: its allocations are not the step's
+        a.module.zero_grad(set_to_none=True)  # as a training loop does before the step: not inside the meter
+        measured = measure_peak_profiler(lambda rm=rm: _step(rm, a, batch))[1]
         assert measured <= budget, (i, measured, budget)
-        assert abs(rm.plan.predicted_peak_bytes - measured) <= 0.10 * measured, (rm.plan.predicted_peak_bytes, measured)
+        predicted = rm.plan.predicted_peak_bytes
+        assert abs(predicted - measured) <= PREDICTION_TOLERANCE[name] * measured, (i, predicted, measured)
 
 
 def test_infeasible_budget_names_smallest_feasible():
@@ -102,14 +110,43 @@ def test_infeasible_budget_names_smallest_feasible():
     assert rm.plan.predicted_peak_bytes <= floor
 
 
-def test_planning_itself_stays_within_budget():
-    """rematerialize() (capture, profile, solve) never raises allocated memory above the budget."""
-    a, _ = _pair("gpt2-tiny", torch.float32)
-    batch = a.make_batch(0)
-    plan = rematerialize(a.module, *batch, budget=10**12).plan
-    budget = (plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2
-    _, planning_peak = measure_peak(lambda: rematerialize(a.module, *batch, budget=budget))
-    assert planning_peak <= budget, (planning_peak, budget)
+class _FrozenWideHead(nn.Module):
+    """A small trained body under a frozen 32 MiB output layer (an LM head kept fixed while fine-tuning):
+    the step needs far less than that weight, so a copy of it made while profiling would show."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
+        self.head = nn.Linear(64, 131072).requires_grad_(False)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.head(self.body(x)), y)
+
+
+def test_planning_itself_stays_within_budget(monkeypatch):
+    """rematerialize() from cold (no op measurement cached: capture, profile every op, solve, first step) never
+    raises the CPU allocator's total above the budget, on a model whose largest op reads a 32 MiB weight:
+    profiling reads the real parameters instead of copies (NOTE [temporary memory], measured_costs.py)."""
+    from remat_plugin.capture.memory_meter import measure_peak_profiler
+    from remat_plugin.runtime import module as remat_module
+    from remat_plugin.runtime.steps import PlanningCaches
+
+    torch.manual_seed(0)
+    model = _FrozenWideHead()
+    x, y = torch.randn(8, 64), torch.randint(0, 131072, (8,))
+    plan = rematerialize(model, (x, y), {}, budget=10**12).plan
+    weight_bytes = model.head.weight.numel() * 4
+    budget = plan.baseline_peak_bytes + weight_bytes // 4
+    assert budget < weight_bytes  # one more copy of the weight would not fit
+    monkeypatch.setattr(remat_module, "PROCESS_CACHES", PlanningCaches())  # cold: every op is profiled again
+
+    def plan_and_step():
+        rm = rematerialize(model, (x, y), {}, budget=budget)
+        rm(x, y).backward()
+
+    model.zero_grad(set_to_none=True)
+    planning_peak = measure_peak_profiler(plan_and_step)[1]
+    assert planning_peak <= budget, (planning_peak, budget, weight_bytes)
 
 
 def test_eval_and_no_grad_run_original_and_keep_output_type():

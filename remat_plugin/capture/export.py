@@ -149,6 +149,7 @@ def build_step(
         joint.state_primals = {n.name for n in primals[: len(names)]}
         flat_inputs = [*named.values(), *(leaves[i] for i in tensor_positions)]
         joint.grad_primals = {n.name for n, t in zip(primals, flat_inputs) if t.requires_grad}
+        joint.real_inputs = {n.name: t for n, t in zip(primals, flat_inputs)}
         return emit(joint)
 
     def boxed(gm_, _example):

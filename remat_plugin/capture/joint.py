@@ -28,6 +28,14 @@ TANGENTS_OP = "__tangents__"
 RNG_SUFFIX = "__rng"
 RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}
 
+
+def _tensor_device(val) -> str | None:
+    """The device of an op's (first) tensor output, as a string ("cpu", "cuda:0")."""
+    for v in val if isinstance(val, (tuple, list)) else (val,):
+        if isinstance(v, torch.Tensor):
+            return str(v.device)
+    return None
+
 _ALIAS_OPS = {
     torch.ops.aten._unsafe_view.default,
     torch.ops.aten.alias.default,
@@ -77,11 +85,13 @@ class JointGraph:
     values_of: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unread_output_bytes: dict[str, int] = field(default_factory=dict)
     random_ops: set[str] = field(default_factory=set)
+    rng_device: dict[str, str] = field(default_factory=dict)  # random op -> the device whose generator it draws from
     live_out: set[str] = field(default_factory=set)
     tangents: list[fx.Node] = field(default_factory=list)
     buffer_primals: set[str] = field(default_factory=set)  # placeholders that are module buffers
     state_primals: set[str] = field(default_factory=set)  # placeholders that are parameters or buffers
     grad_primals: set[str] = field(default_factory=set)  # placeholders that require grad
+    real_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> the step's tensor (profiling)
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]
@@ -146,6 +156,8 @@ class JointGraph:
             self.root[n.name] = None
         if _is_random(n):
             self.random_ops.add(n.name)
+            # a CPU random op inside a CUDA model (randperm for a sampler) draws from the CPU generator
+            self.rng_device[n.name] = _tensor_device(val) or self.device_type
 
     def constant_ops(self) -> set[str]:
         """Forward ops the planner treats as constants: those that do not mix a user input with a
@@ -200,7 +212,8 @@ class JointGraph:
             if n.name in self.random_ops:
                 rng = n.name + RNG_SUFFIX
                 ops.append(Op(rng, True, (), (rng,), 0.0, 0, recomputable=False))
-                values.append(Value(rng, RNG_STATE_BYTES.get(self.device_type, 16), rng))
+                rng_type = torch.device(self.rng_device.get(n.name, self.device_type)).type
+                values.append(Value(rng, RNG_STATE_BYTES.get(rng_type, 16), rng))
                 reads.append(rng)
             outs = self.values_of[n.name]
             temp = temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name]

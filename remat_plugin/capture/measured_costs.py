@@ -1,22 +1,38 @@
-"""Per-op costs measured on the inputs' device, one op at a time with generated inputs.
+"""Per-op costs measured on the inputs' device, one op at a time: time and temporary memory.
 
 Profiling never runs the whole unmodified step (the model may not fit): each op runs
-alone on fresh tensors shaped like its real inputs, so the most it holds is one op's
-inputs and outputs.  Ops with the same target, argument shapes and constants share one
-measurement, which is how identical blocks are profiled once.
+alone, reading the step's real parameters, buffers and inputs where it only reads them
+(no copy of an LM head's weight) and fresh tensors shaped like its real inputs for
+everything else, so the most it adds is one op's activations and outputs.  Ops with the
+same target, argument shapes and constants share one measurement, which is how identical
+blocks are profiled once.
+
+NOTE [temporary memory]
+    Some kernels allocate scratch below the dispatcher: oneDNN convolutions on CPU, cuDNN/cuBLAS
+    workspaces and flash-attention's backward on CUDA.  A dispatch-mode view of the step sees only
+    op outputs, so a plan could fit on paper and exceed its budget at the allocator.  Each op's
+    ``temp_bytes`` is the allocator's peak while it runs minus what it holds when it returns, read
+    from the profiler's memory events of the op's device (one profiled run per distinct op; the
+    CUDA caching allocator reports there too).  Unlike ``max_memory_allocated`` this resets no
+    peak statistics the user may be reading.  The simulator and the block ILP add it to the
+    memory while the op runs.
 """
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import fx
+from torch.profiler import record_function
 
-from remat_plugin.capture.joint import JointGraph
-from remat_plugin.torch_private import unset_fake_temporarily
+from remat_plugin.capture.joint import JointGraph, is_view_target
+from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
+from remat_plugin.torch_private import OpOverload, profiler_active, unset_fake_temporarily
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +66,42 @@ def _make_input(val: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _run_once(node: fx.Node, device: torch.device):
+def _writes_inputs(target) -> bool:
+    """True if the op may write into one of its arguments (then it never gets the real tensors)."""
+    if not isinstance(target, OpOverload):
+        return True
+    return any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def _real_view(a: fx.Node, real: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The step's tensor behind ``a``: a placeholder's own, or a view of one (``t``, ``view``, ``expand``),
+    re-derived from it without allocating; None for anything else."""
+    if a.name in real:
+        return real[a.name]
+    if a.op != "call_function" or not is_view_target(a.target):
+        return None
+    missing = False
+
+    def resolve(n: fx.Node):
+        nonlocal missing
+        t = _real_view(n, real)
+        missing = missing or t is None
+        return t
+
+    args, kwargs = fx.node.map_arg((a.args, a.kwargs), resolve)
+    return None if missing else cast(Callable, a.target)(*args, **kwargs)
+
+
+def _run_once(node: fx.Node, device: torch.device, real: dict[str, torch.Tensor]):
+    """The op's target and arguments: the step's tensors (``real``, by placeholder name, and views of them)
+    where the op only reads them, generated ones elsewhere."""
+    use_real = bool(real) and not _writes_inputs(node.target)
+
     def materialize(a):
+        if use_real:
+            t = _real_view(a, real)
+            if t is not None:
+                return t
         v = a.meta.get("val")
         if isinstance(v, torch.Tensor):
             return _make_input(v, device)
@@ -61,8 +111,10 @@ def _run_once(node: fx.Node, device: torch.device):
     return node.target, args, kwargs
 
 
-def _time_op(node: fx.Node, device: torch.device, min_total_ms: float = 2.0, max_reps: int = 20) -> float:
-    target, args, kwargs = _run_once(node, device)
+def _time_op(node: fx.Node, device: torch.device, real: dict[str, torch.Tensor], min_total_ms: float = 2.0,
+             max_reps: int = 20) -> float:
+    """Median time (ms) of the op alone."""
+    target, args, kwargs = _run_once(node, device, real)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         target(*args, **kwargs)  # warm-up
@@ -80,8 +132,43 @@ def _time_op(node: fx.Node, device: torch.device, min_total_ms: float = 2.0, max
     return times[len(times) // 2]
 
 
+def _temp_bytes(nodes: list[fx.Node], device: torch.device, real: dict[str, torch.Tensor]) -> list[int]:
+    """Temporary bytes of each op, from one profiled run of each (NOTE [temporary memory]).
+
+    Each run sits inside a ``record_function`` range; within it the allocator's running total
+    rises to a peak and ends at what the op returned, so the difference is its scratch.
+    """
+    if profiler_active():
+        # Profiler sessions do not nest (a second one corrupts the first): under the caller's profiler, or
+        # one of our meters, scratch cannot be read.  Said once per capture, never silently assumed.
+        log.warning("remat_plugin.capture: a torch.profiler session is recording, so the kernel scratch of %d op(s) "
+                    "cannot be measured and counts as 0 in this plan (it may then exceed its budget by one op's "
+                    "scratch); plan outside the profiler to include it", len(nodes))
+        return [0] * len(nodes)
+    labels = [f"remat_plugin.profile.{i}" for i in range(len(nodes))]
+    with memory_profile(cuda=device.type == "cuda") as prof:
+        for node, label in zip(nodes, labels):
+            try:
+                target, args, kwargs = _run_once(node, device, real)
+                with torch.no_grad(), record_function(label):
+                    out = target(*args, **kwargs)
+                del out, args, kwargs
+            except Exception as exc:  # noqa: BLE001 -- failed on generated inputs: its time is estimated, no scratch
+                log.debug("profile: %s failed on generated inputs (%s); no temporary bytes measured", node.target, exc)
+    trace = allocator_trace(prof, device)
+    temps = []
+    for label in labels:
+        if label not in trace.ranges:
+            temps.append(0)
+            continue
+        peak, end = trace.peak_rise(*trace.ranges[label])
+        temps.append(max(0, peak - end))
+    return temps
+
+
 class OpTimings:
-    """Measured op times by :func:`op_signature`, kept by whoever plans repeatedly (bounded, oldest out).
+    """Measured op times and temporary bytes by :func:`op_signature`, kept by whoever plans repeatedly
+    (bounded, oldest out).
 
     Measurements outlive one capture: re-planning the same shapes (another budget, a resumed
     run) then finds the same costs, hence the same problem and the same prepared planner.
@@ -89,13 +176,14 @@ class OpTimings:
 
     def __init__(self, max_entries: int = 100_000):
         self.max_entries = max_entries
-        self._ms: OrderedDict[tuple, float] = OrderedDict()
+        self._ms: OrderedDict[tuple, tuple[float, int]] = OrderedDict()
 
-    def get(self, sig: tuple) -> float | None:
+    def get(self, sig: tuple) -> tuple[float, int] | None:
+        """``(time_ms, temp_bytes)`` measured for ``sig``, or None."""
         return self._ms.get(sig)
 
-    def put(self, sig: tuple, ms: float) -> None:
-        self._ms[sig] = ms
+    def put(self, sig: tuple, ms: float, temp_bytes: int) -> None:
+        self._ms[sig] = (ms, temp_bytes)
         while len(self._ms) > self.max_entries:
             self._ms.popitem(last=False)
 
@@ -103,31 +191,45 @@ class OpTimings:
         return len(self._ms)
 
 
-def profile_ops(joint: JointGraph, device: torch.device, progress=None, timings: OpTimings | None = None) -> OpCosts:
-    """Measure each op of ``joint`` (looked up in ``timings`` first); failures fall back to a bytes-based estimate."""
+def profile_ops(joint: JointGraph, device: torch.device, progress=None, timings: OpTimings | None = None,
+                real: dict[str, torch.Tensor] | None = None) -> OpCosts:
+    """Measure each op of ``joint`` (looked up in ``timings`` first); failures fall back to a bytes-based estimate.
+
+    ``real``: the step's tensors by placeholder name (parameters, buffers, inputs), read by ops
+    that do not write their inputs instead of generated copies.
+    """
     devices = [device] if device.type == "cuda" else []
     # Planning runs inside AOTAutograd's partitioner, under its fake-tensor mode: step out of it
     # so the ops run on real tensors.  Random ops must not shift the user's RNG stream.
     with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
-        return _profile_ops(joint, device, progress, OpTimings() if timings is None else timings)
+        return _profile_ops(joint, device, progress, OpTimings() if timings is None else timings, real or {})
 
 
-def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpTimings) -> OpCosts:
-    time_ms: dict[str, float] = {}
-    temp: dict[str, int] = {}
-    for i, node in enumerate(joint.ops):
-        sig = op_signature(node)
-        ms = timings.get(sig)
-        if ms is None:
+def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpTimings,
+                 real: dict[str, torch.Tensor]) -> OpCosts:
+    measured: dict[tuple, tuple[float, int]] = {}
+    new: dict[tuple, fx.Node] = {}
+    sigs = [op_signature(node) for node in joint.ops]
+    for i, (node, sig) in enumerate(zip(joint.ops, sigs)):
+        found = measured.get(sig) or timings.get(sig)
+        if found is None:
             try:
-                ms = _time_op(node, device)
+                found = (_time_op(node, device, real), 0)
             except Exception as exc:  # noqa: BLE001 -- any op may reject random inputs: estimate from bytes moved
                 est = sum(joint.value_bytes(v) for v in joint.values_of[node.name]) / 2e9 * 1e3
                 log.debug("profile: %s failed on generated inputs (%s); estimated %.3f ms", node.target, exc, est)
-                ms = est
-            timings.put(sig, ms)
-        time_ms[node.name] = ms
-        temp[node.name] = 0
+                found = (est, 0)
+            new[sig] = node
+        measured[sig] = found
         if progress is not None:
             progress(i + 1, len(joint.ops))
+    if new:
+        for sig, scratch in zip(new, _temp_bytes(list(new.values()), device, real)):
+            measured[sig] = (measured[sig][0], scratch)
+    for sig in new:
+        timings.put(sig, *measured[sig])
+    time_ms: dict[str, float] = {}
+    temp: dict[str, int] = {}
+    for node, sig in zip(joint.ops, sigs):
+        time_ms[node.name], temp[node.name] = measured[sig]
     return OpCosts(time_ms, temp)

@@ -29,9 +29,16 @@ from before the block that grows counts only its growth.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import json
+import os
+import sys
+import tempfile
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -40,7 +47,7 @@ from typing_extensions import Self  # a torch dependency; typing.Self needs Pyth
 
 from remat_plugin.torch_private import FakeTensor, FunctionalTensor, TorchDispatchMode, pytree
 
-__all__ = ["PeakMeter", "StorageTracker", "measure_peak", "measure_peak_profiler"]
+__all__ = ["PeakMeter", "StorageTracker", "allocator_trace", "measure_peak", "measure_peak_profiler", "memory_profile"]
 
 
 class StorageTracker(TorchDispatchMode):
@@ -189,6 +196,92 @@ def measure_peak(fn: Callable[[], Any], device: torch.device | str = "cpu") -> t
     return result, meter.peak_bytes
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 sent to /dev/null: kineto prints "USDT: ... profiler_start/stop" there from C++."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def memory_profile(cuda: bool = False) -> Iterator[profile]:
+    """A profiler session recording allocator events (CPU, and CUDA with ``cuda``).
+
+    Only its start and stop are silenced (kineto's own lines on stderr at every session, which a
+    user would see at every plan); whatever the profiled code prints still shows.
+    """
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities, profile_memory=True)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
+
+
+@dataclass(frozen=True)
+class AllocatorTrace:
+    """What a finished :func:`memory_profile` session saw: allocator events and named ranges.
+
+    NOTE [frees from before the session]
+        The profiler reports the free of a block allocated in an *earlier* profiled session
+        as a negative event (a block from outside any session it ignores).  Summed naively,
+        freeing the last step's gradients inside a metered step lowers the running total and
+        hides that much of the step's own rise.  ``events`` therefore keeps only blocks
+        allocated inside this session, matched by address.
+    """
+
+    events: tuple[tuple[float, int], ...]  # (time in µs, +bytes allocated / -bytes freed), by time
+    ranges: dict[str, tuple[float, float]]  # record_function name -> (start, end) in µs
+
+    def peak_rise(self, start: float = float("-inf"), end: float = float("inf")) -> tuple[int, int]:
+        """Peak and final running total of the events in [start, end], from 0."""
+        live = peak = 0
+        times = [t for t, _ in self.events]
+        for _, nbytes in self.events[bisect.bisect_left(times, start) : bisect.bisect_right(times, end)]:
+            live += nbytes
+            peak = max(peak, live)
+        return peak, live
+
+
+def allocator_trace(prof: profile, device: torch.device | str = "cpu") -> AllocatorTrace:
+    """The allocator events of ``device`` in a finished session (NOTE [frees from before the session]).
+
+    Read from the session's Chrome trace: only there do memory events carry the block address.
+    """
+    dev = torch.device(device)
+    kind = 1 if dev.type == "cuda" else 0  # the trace's "Device Type": c10::DeviceType
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
+    raw = sorted(
+        (e["ts"], e["args"]["Bytes"], e["args"]["Addr"]) for e in trace
+        if e.get("name") == "[memory]" and e["args"].get("Device Type") == kind
+        and (dev.index is None or e["args"].get("Device Id") in (dev.index, -1))
+    )
+    mine: dict[int, int] = {}
+    events = []
+    for t, nbytes, addr in raw:
+        if nbytes > 0:
+            mine[addr] = nbytes
+            events.append((t, nbytes))
+        elif addr in mine:
+            events.append((t, -mine.pop(addr)))
+    ranges = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in trace if e.get("ph") == "X"}
+    return AllocatorTrace(tuple(events), ranges)
+
+
 def measure_peak_profiler(fn: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``fn()`` under the profiler; return its result and the CPU allocator's peak rise.
 
@@ -196,14 +289,6 @@ def measure_peak_profiler(fn: Callable[[], Any]) -> tuple[Any, int]:
     code a dispatch mode cannot, such as torch.compile'd graphs (a dispatch mode makes them run eagerly). In
     eager runs it agrees with :class:`PeakMeter` to the byte, plus any kernel scratch buffers.
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with memory_profile() as prof:
         result = fn()
-    # prof.events() merges some "[memory]" instants away; the raw kineto events keep them all.
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
-    live_bytes = peak_bytes = 0
-    for event in events:
-        live_bytes += event.nbytes()
-        peak_bytes = max(peak_bytes, live_bytes)
-    return result, peak_bytes
+    return result, allocator_trace(prof).peak_rise()[0]

@@ -28,23 +28,34 @@ from remat_plugin.torch_private import (
 )
 
 
-def capture_rng_state(device_type: str) -> torch.Tensor:
-    """The generator state a random op is about to consume (saved for its replay)."""
-    if device_type == "cuda":
-        return torch.cuda.get_rng_state()
+def capture_rng_state(device: str) -> torch.Tensor:
+    """The state of ``device``'s generator that a random op is about to consume (saved for its replay).
+
+    ``device`` is the op's own ("cuda:1"), not the current device: a model spread over GPUs,
+    or a CPU random op inside a CUDA model, replays from the generator it drew from.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_rng_state(dev)
     return torch.get_rng_state()
 
 
-def replay_random(state: torch.Tensor, device_type: str, target, *args, **kwargs):
+def replay_random(state: torch.Tensor, device: str, target, *args, **kwargs):
     """Run a random op again with the generator state of its first run, then restore the stream."""
-    get = torch.cuda.get_rng_state if device_type == "cuda" else torch.get_rng_state
-    put = torch.cuda.set_rng_state if device_type == "cuda" else torch.set_rng_state
-    current = get()
-    put(state)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        current = torch.cuda.get_rng_state(dev)
+        torch.cuda.set_rng_state(state, dev)
+        try:
+            return target(*args, **kwargs)
+        finally:
+            torch.cuda.set_rng_state(current, dev)
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
     try:
         return target(*args, **kwargs)
     finally:
-        put(current)
+        torch.set_rng_state(current)
 
 
 def run_random(state: torch.Tensor, target, *args, **kwargs):
@@ -63,8 +74,9 @@ def _insert_rng_captures(joint: JointGraph, names: set[str]) -> dict[str, fx.Nod
     for op_name in sorted(names):
         node = joint.node(op_name)
         with graph.inserting_before(node):
-            cap = graph.call_function(capture_rng_state, (joint.device_type,))
-        cap.meta["val"] = _fake_like_graph(joint, capture_rng_state(joint.device_type))
+            device = joint.rng_device.get(op_name, joint.device_type)
+            cap = graph.call_function(capture_rng_state, (device,))
+        cap.meta["val"] = _fake_like_graph(joint, capture_rng_state(device))
         cap.meta["partitioner_tag"] = "is_forward"
         node.args = (cap, node.target, *node.args)  # type: ignore[arg-type]  # fx passes callables through
         node.target = run_random
@@ -197,7 +209,8 @@ def _rebuild_backward(
         if name in joint.random_ops and joint.is_fwd[name]:
             _cap, target, *rest = node.args
             args, kwargs = fx.node.map_arg((tuple(rest), node.kwargs), resolve)
-            new = graph.call_function(replay_random, (env[name + RNG_SUFFIX], joint.device_type, target, *args), kwargs)
+            device = joint.rng_device.get(name, joint.device_type)
+            new = graph.call_function(replay_random, (env[name + RNG_SUFFIX], device, target, *args), kwargs)
             new.meta = dict(node.meta)
         else:
             new = graph.node_copy(node, resolve)

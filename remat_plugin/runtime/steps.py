@@ -96,7 +96,7 @@ def measured_problem(joint: JointGraph, device: torch.device, progress=None,
     if device.type == "meta":
         costs = estimate_costs(joint, progress=progress)
     else:
-        costs = profile_ops(joint, device, progress, op_timings)
+        costs = profile_ops(joint, device, progress, op_timings, joint.real_inputs)
     problem = joint.to_problem(costs.time_ms, costs.temp_bytes)
     return problem, joint.constant_ops()
 

@@ -19,8 +19,9 @@ def _run(*args: str) -> str:
 @pytest.mark.slow
 def test_resnet_batchnorm_example_keeps_statistics_exact():
     """BatchNorm statistics and weights stay bitwise those of plain PyTorch; one update per step."""
-    # batch 16 keeps it quick; its smallest feasible budget there is 0.61-0.64 of the unmodified peak
-    out = _run("examples/resnet_batchnorm.py", "--steps", "2", "--batch-size", "16", "--budget", "0.7")
+    # batch 16 keeps it quick.  Its smallest feasible budget is 0.88 of the unmodified peak by the allocator: in
+    # float64 a 3x3 convolution's im2col buffer (batch x 16*9 x 32*32 doubles) is scratch no plan can drop.
+    out = _run("examples/resnet_batchnorm.py", "--steps", "2", "--batch-size", "16", "--budget", "0.9")
     assert out.count("equal to plain PyTorch: True") == 2 and "num_batches_tracked after 2 steps: 2" in out
     assert "remat plan" in out
 

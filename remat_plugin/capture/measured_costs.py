@@ -36,6 +36,11 @@ from remat_plugin.torch_private import OpOverload, profiler_active, unset_fake_t
 
 log = logging.getLogger(__name__)
 
+# Scratch below this is taken as 0: a few bytes (a 12-byte scalar buffer in many elementwise ops) only put
+# tiny coefficients into the block ILP's memory rows, which made HiGHS twice as slow on a Llama layer; scratch
+# is transient, one op's at a time, so what is dropped is always far inside the plan's margin (>= 64 KiB).
+MIN_TEMP_BYTES = 4096
+
 
 @dataclass(frozen=True)
 class OpCosts:
@@ -162,7 +167,8 @@ def _temp_bytes(nodes: list[fx.Node], device: torch.device, real: dict[str, torc
             temps.append(0)
             continue
         peak, end = trace.peak_rise(*trace.ranges[label])
-        temps.append(max(0, peak - end))
+        scratch = peak - end
+        temps.append(scratch if scratch >= MIN_TEMP_BYTES else 0)
     return temps
 
 

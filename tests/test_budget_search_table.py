@@ -185,3 +185,18 @@ def test_make_plan_below_floor_raises(below: int) -> None:
     assert err.value.budget_bytes == floor_budget - below
     plan, _ = make_plan(chain4(), set(), floor_budget, ILP_S)
     assert plan.predicted_peak_bytes <= FLOOR_PEAK
+
+
+def test_lowest_peak_never_above_the_dp_floor_and_is_simulated() -> None:
+    """lowest_peak (DP budgets near the least one, then single-block swaps judged by the simulator) returns a
+    schedule whose stored simulation is its real one, at most the DP's least-budget peak; make_plan reports it."""
+    from remat_plugin.planning.budget_search import lowest_peak
+
+    pl = planner()
+    dp_floor = pl.try_budget(pl.min_dp_budget())
+    assert dp_floor is not None
+    sched, sim, _cp = lowest_peak(pl)
+    assert simulate(pl.problem, sched) == sim
+    assert sim.peak_bytes <= dp_floor[1].peak_bytes
+    plan, _ = make_plan(chain4(), set(), 10 * KEEP_ALL_PEAK, ILP_S)
+    assert plan.min_feasible_bytes <= budget_for_peak(sim.peak_bytes)

@@ -163,10 +163,13 @@ class Planner:
         first_bwd = next(i for i, a in enumerate(actions) if a.kind == "bwd")
         if peak_at < n_fwd:  # in the first forward pass: the block making that op
             name = self.problem.fwd_ops[peak_at].name
-            at = next(i for i, a in enumerate(actions[:first_bwd]) if name in self.blocks[a.block].fwd_ops)
+            found = next((i for i, a in enumerate(actions[:first_bwd]) if name in self.blocks[a.block].fwd_ops), None)
         else:
             _, spans = self.assemble_spans(chain_plan)
-            at = first_bwd + next(i for i, (s, e) in enumerate(spans) if s <= peak_at - n_fwd < e)
+            found = next((first_bwd + i for i, (s, e) in enumerate(spans) if s <= peak_at - n_fwd < e), None)
+        if found is None:  # a constant op (in no block) or the synthetic tangents op: every block may count
+            return sorted({a.block for a in actions if a.kind == "bwd"})
+        at = found
         holding = []
         for i, a in enumerate(actions):
             if a.kind == "fwd" and i <= at:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat_plugin.errors import InfeasibleBudgetError
-from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.runtime.steps import capture_problem
 
 try:  # make_plan keeps a safety margin back from the budget: compare at equal usable budgets
@@ -240,7 +240,11 @@ def _study(name: str) -> Study:
     problem, constants = GRAPHS[name]()
     assert len(problem.ops) <= MAX_OPS or name in PROVEN_OPTIMAL_NOT_REQUIRED, f"{name}: {len(problem.ops)} ops, too many for an exact whole-graph ILP"
     keep_all = simulate(problem, Schedule.keep_all(problem))
-    plan, _ = make_plan(problem, constants, budget_for_peak(keep_all.peak_bytes), PLAN_ILP_TIME_LIMIT_S)
+    # One planner for every budget, as a process plans with (runtime PlanningCaches): the block menus come
+    # from time-limited ILP solves, so a fresh planner's menus -- and the smallest budget they reach -- vary.
+    planners = PlannerCache()
+    plan, _ = make_plan(problem, constants, budget_for_peak(keep_all.peak_bytes), PLAN_ILP_TIME_LIMIT_S,
+                        planners=planners)
     our_min = plan.min_feasible_bytes - safety_margin(plan.min_feasible_bytes)  # usable bytes
     ilp_min, ilp_min_optimal = checkmate_min_peak(problem, ILP_TIME_LIMIT_S, gap_rel=ILP_GAP)
     sqrt_all = simulate(problem, sqrt_n_schedule(problem, constants))
@@ -250,7 +254,8 @@ def _study(name: str) -> Study:
     for k in range(N_BUDGETS):
         budget = round(our_min + (keep_all.peak_bytes - our_min) * k / (N_BUDGETS - 1))
         try:
-            ours = simulate(problem, make_plan(problem, constants, budget_for_peak(budget), PLAN_ILP_TIME_LIMIT_S)[1])
+            ours = simulate(problem, make_plan(problem, constants, budget_for_peak(budget), PLAN_ILP_TIME_LIMIT_S,
+                                               planners=planners)[1])
         except InfeasibleBudgetError:
             ours = None
         t = time.perf_counter()

@@ -200,9 +200,12 @@ def test_auto_batch_size_takes_the_largest_that_fits_and_one_real_step():
     assert recorder.batch_sizes == [choice.batch_size] * 2
     assert trainer.datamodule.batch_size == choice.batch_size
     assert max(recorder.peaks) <= budget and choice.measured_peak_bytes <= choice.budget_bytes
-    assert choice.trial_steps == 1 and auto.session.n_solved == 1  # training replays the verification plan
+    # one verification step, whose plan training replays; a second only when that step, planned on its own
+    # capture, finds no plan within B right at the boundary, and then one notch lower (batch_size/tune.py)
+    assert choice.trial_steps in (1, 2) and auto.session.n_solved == 1
+    assert choice.batch_size == choice.chosen.batch_size - 4 * (choice.trial_steps - 1)
     nxt = choice.next_size
-    assert nxt.batch_size == choice.batch_size + 4 and nxt.predicted_time_ms is None
+    assert nxt.batch_size == choice.chosen.batch_size + 4 and nxt.predicted_time_ms is None
     assert nxt.min_feasible_bytes > choice.budget_bytes
 
 

@@ -18,7 +18,7 @@ import torch
 
 from remat_plugin.batch_size.search import BatchSizeChoice, batch_dim_size, choose_batch_size, scale_inputs
 from remat_plugin.capture.memory_meter import PeakMeter
-from remat_plugin.errors import human_bytes
+from remat_plugin.errors import InfeasibleBudgetError, human_bytes
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.side_effects import unobserved
@@ -57,6 +57,23 @@ def measure_step(session: RematSession, args: tuple, kwargs: dict) -> int:
     return meter.peak_bytes
 
 
+_NO_PLAN = 1 << 62  # the "peak" of a size whose verification step finds no plan within the budget
+
+
+def _measured_or_infeasible(session: RematSession, args: tuple, kwargs: dict) -> int:
+    """:func:`measure_step`, or :data:`_NO_PLAN` when the step's own plan does not fit the budget.
+
+    The search judged the size on its own captures; the step captures and plans again, and its block
+    menus come from time-limited ILP solves, so right at the boundary its smallest feasible budget can
+    come out a little higher.  Every rank then backs off one notch together, as for a step over budget.
+    """
+    try:
+        return measure_step(session, args, kwargs)
+    except InfeasibleBudgetError as err:
+        log.info("remat_plugin: %s", err)
+        return _NO_PLAN
+
+
 def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSizeChoice:
     """The batch size for the session's budget, verified by one real step per rank; the same on every rank.
 
@@ -78,12 +95,13 @@ def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSi
     choice = dist.from_rank_zero(search, "searching the batch size")
     size, trials, peak = choice.batch_size, 0, 0
     while trials < 3:
-        step = functools.partial(measure_step, session, *scale_inputs(args, kwargs, b1, size))
+        step = functools.partial(_measured_or_infeasible, session, *scale_inputs(args, kwargs, b1, size))
         peak = max(dist.gathered(step, f"measuring a step at batch size {size}"))
         trials += 1
         if peak <= budget or size <= multiple_of:
             break
-        log.warning("remat_plugin: batch size %d measured %s over the budget %s; backing off to %d", size,
-                    human_bytes(peak), human_bytes(budget), size - multiple_of)
+        log.warning("remat_plugin: batch size %d %s the budget %s; backing off to %d", size,
+                    "has no plan within" if peak == _NO_PLAN else f"measured {human_bytes(peak)} over",
+                    human_bytes(budget), size - multiple_of)
         size -= multiple_of
     return dataclasses.replace(choice, batch_size=size, trial_steps=trials, measured_peak_bytes=peak)

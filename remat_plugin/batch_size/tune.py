@@ -18,7 +18,7 @@ import torch
 
 from remat_plugin.batch_size.search import BatchSizeChoice, batch_dim_size, choose_batch_size, scale_inputs
 from remat_plugin.capture.memory_meter import PeakMeter
-from remat_plugin.errors import InfeasibleBudgetError, human_bytes
+from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.side_effects import unobserved
@@ -69,7 +69,11 @@ def _measured_or_infeasible(session: RematSession, args: tuple, kwargs: dict) ->
     """
     try:
         return measure_step(session, args, kwargs)
-    except InfeasibleBudgetError as err:
+    except RematError as err:
+        # Under DDP rank 0 plans for all: it raises the InfeasibleBudgetError, the other ranks a RematError
+        # that names it (runtime/dist.py); both mean "no plan here", on every rank alike.
+        if not isinstance(err, InfeasibleBudgetError) and InfeasibleBudgetError.__name__ not in str(err):
+            raise
         log.info("remat_plugin: %s", err)
         return _NO_PLAN
 

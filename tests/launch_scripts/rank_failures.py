@@ -128,7 +128,7 @@ def main() -> None:
               f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         # The launcher kills the other rank as soon as one exits: give it the moment it needs to print its own line
         # (the library has already raised on both ranks; this only keeps the launcher from hiding one of them).
-        time.sleep(3)
+        time.sleep(8)
         raise
 
     inner = [accelerator.unwrap_model(m) for m in (model, plain)]

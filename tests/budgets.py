@@ -1,4 +1,4 @@
-"""Budget sweeps shared by the tests that check plans against a meter."""
+"""Budget sweeps and oracle checks shared by the tests that check plans against a meter and plain PyTorch."""
 from __future__ import annotations
 
 from remat_plugin.ir.plan import Plan, budget_for_peak
@@ -8,3 +8,13 @@ def sweep(plan: Plan, n: int = 10) -> list[int]:
     """``n`` budgets from the unmodified peak (with its margin) down to the plan's smallest feasible budget."""
     base, floor = budget_for_peak(plan.baseline_peak_bytes), plan.min_feasible_bytes
     return [int(base - (base - floor) * i / (n - 1)) for i in range(n)]
+
+
+def assert_same_grads_and_buffers(module, reference, label: str) -> None:
+    """Every parameter gradient and buffer of ``module`` equals ``reference``'s bitwise."""
+    import torch
+
+    for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{label}: gradient of {name} differs"
+    for (name, b), c in zip(module.named_buffers(), reference.buffers()):
+        assert torch.equal(b, c), f"{label}: buffer {name} differs"

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from budgets import sweep
+from budgets import assert_same_grads_and_buffers, sweep
 
 from remat_plugin import rematerialize
 from remat_plugin.bench.models import build, gpt2_tiny
@@ -82,10 +82,7 @@ def test_exact_under_budget_and_below_per_layer_checkpointing(name):
         if i % 3 == 0:
             loss, loss_ref = _step(rm, a, batch), _step(ref.module, ref, batch)
             assert torch.equal(loss, loss_ref), (i, loss, loss_ref)
-            for (pname, pa), pb in zip(a.module.named_parameters(), ref.module.parameters()):
-                assert torch.equal(pa.grad, pb.grad), f"budget {i}: gradient of {pname} differs"
-            for (bname, ba), bb in zip(a.module.named_buffers(), ref.module.buffers()):
-                assert torch.equal(ba, bb), f"budget {i}: buffer {bname} differs"
+            assert_same_grads_and_buffers(a.module, ref.module, f"budget {i}")
 
 
 def _meta_problem(bench, extra_kwargs=None):

@@ -246,8 +246,9 @@ class AllocatorTrace:
     def peak_rise(self, start: float = float("-inf"), end: float = float("inf")) -> tuple[int, int]:
         """Peak and final running total of the events in [start, end], from 0."""
         live = peak = 0
-        times = [t for t, _ in self.events]
-        for _, nbytes in self.events[bisect.bisect_left(times, start) : bisect.bisect_right(times, end)]:
+        lo = bisect.bisect_left(self.events, (start, -(1 << 62)))
+        hi = bisect.bisect_right(self.events, (end, 1 << 62))
+        for _, nbytes in self.events[lo:hi]:
             live += nbytes
             peak = max(peak, live)
         return peak, live

@@ -13,9 +13,9 @@ as the oracle.  ``--inject WHERE`` makes one rank raise ``RuntimeError(MESSAGE)`
 After the agreed steps, one more step has rank 1 train on half a batch: the ranks see
 different shapes, so rank 1 plans its own (rank 0 has a step for its shapes).
 
-A rank whose training raises prints ``rank_failures: rank R raised S s into training, at T: ...``
-to stderr (T: ``time.time()``)
-and re-raises.  Otherwise each rank writes ``OUT.rank<N>.json``.
+A rank whose training raises writes ``OUT.rank<N>.raised.json`` (seconds into training, ``time.time()``, the
+error), prints the same to stderr and re-raises.  Otherwise each rank writes ``OUT.rank<N>.json``.  (A file, not
+only stderr: the launcher tails the ranks' logs and can drop a rank's last lines when it stops the other.)
 """
 from __future__ import annotations
 
@@ -124,8 +124,11 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
                 losses[name].append(loss.item())
     except Exception as exc:
-        print(f"rank_failures: rank {rank} raised {time.perf_counter() - t0:.1f} s into training, at {time.time():.1f}: "
-              f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raised = {"into_s": time.perf_counter() - t0, "at": time.time(), "error": f"{type(exc).__name__}: {exc}"}
+        with open(f"{opts.json}.rank{rank}.raised.json", "w") as f:
+            json.dump(raised, f)
+        print(f"rank_failures: rank {rank} raised {raised['into_s']:.1f} s into training: {raised['error']}",
+              file=sys.stderr, flush=True)
         # The launcher kills the other rank as soon as one exits: give it the moment it needs to print its own line
         # (the library has already raised on both ranks; this only keeps the launcher from hiding one of them).
         time.sleep(8)

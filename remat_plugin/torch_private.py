@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 import torch.utils._pytree as pytree
 from torch._functorch._aot_autograd.descriptors import (
+    PlainAOTOutput,
     SavedForBackwardsAOTOutput,
     SavedForBackwardsNoVcCheckAOTOutput,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "FakeTensor",
     "FunctionalTensor",
     "OpOverload",
+    "PlainAOTOutput",
     "SavedForBackwardsAOTOutput",
     "SavedForBackwardsNoVcCheckAOTOutput",
     "TorchDispatchMode",
@@ -61,6 +63,7 @@ __all__ = [
     "suspended_user_modes",
     "unset_fake_temporarily",
     "user_modes_active",
+    "without_donated_buffers",
 ]
 
 TESTED_TORCH = ((2, 13), (2, 14))  # (major, minor) releases CI runs; see the Makefile
@@ -101,6 +104,22 @@ def activation_memory_budget(ratio: float) -> contextlib.AbstractContextManager[
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (a checkpoint recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def without_donated_buffers(outputs: tuple) -> None:
+    """Donate no saved buffer in the backward of the AOTAutograd function that made ``outputs``.
+
+    A backward whose first run frees its saved tensors (no ``retain_graph``) is compiled with
+    donated buffers, and refuses ``retain_graph=True`` ever after.  Our unobserved metered step
+    may run that first backward before the caller's; it must not take ``retain_graph`` away.
+    Our backward compiler runs the fx program as is: it has no use for donated buffers.
+    """
+    for t in outputs:
+        forward_cls = getattr(getattr(t, "grad_fn", None), "_forward_cls", None)
+        metadata = getattr(forward_cls, "metadata", None)
+        if metadata is not None and hasattr(metadata, "bw_donated_idxs"):
+            metadata.bw_donated_idxs = []
+            return
 
 
 def profiler_active() -> bool:

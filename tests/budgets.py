@@ -10,6 +10,13 @@ def sweep(plan: Plan, n: int = 10) -> list[int]:
     return [int(base - (base - floor) * i / (n - 1)) for i in range(n)]
 
 
+def settle(step, n: int = 3) -> None:
+    """``n`` training steps of a new plan before it is measured, as a training loop's first ones: the first is
+    metered before it runs (calibration), the next re-plans for the outputs the loss drops (output usage)."""
+    for _ in range(n):
+        step()
+
+
 def assert_same_grads_and_buffers(module, reference, label: str) -> None:
     """Every parameter gradient and buffer of ``module`` equals ``reference``'s bitwise."""
     import torch

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from budgets import sweep
+from budgets import settle, sweep
 from torch import nn
 
 from remat_plugin import CaptureError, InfeasibleBudgetError, rematerialize
@@ -77,26 +77,22 @@ def test_float32_within_tolerance():
     _assert_same_step(rm, a, b, batch, exact=False)
 
 
-# How far the prediction may be from the allocator: within 5%, except that the planner keeps an LM's logits
-# alive to the end of the step while a caller that keeps only the loss frees them early (gpt2-tiny: 5-9% below).
-PREDICTION_TOLERANCE = {"gpt2-tiny": 0.10, "mlp-chain": 0.05, "resnet-tiny": 0.05}
-
-
-@pytest.mark.parametrize("name", sorted(PREDICTION_TOLERANCE))
+@pytest.mark.parametrize("name", ["gpt2-tiny", "mlp-chain", "resnet-tiny"])
 def test_budget_sweep_measured_within_budget_and_prediction(name):
     """10-point sweep, float32, measured at the CPU allocator (profiler events, oneDNN scratch included): peak ≤
-    budget at every point; prediction within PREDICTION_TOLERANCE of the meter."""
+    budget at every point; prediction within 5% of the meter once the plan has settled (gpt2-tiny's loop keeps
+    only the loss: its logits are freed after the forward from the second step on, NOTE [output usage])."""
     a, _ = _pair(name, torch.float32)
     batch = a.make_batch(0)
     plan = rematerialize(a.module, *batch, budget=10**12).plan
     for i, budget in enumerate(sweep(plan)):
         rm = rematerialize(a.module, *batch, budget=budget)
-        _step(rm, a, batch)  # the first call plans and builds: its allocations are not the step's
+        settle(lambda rm=rm: _step(rm, a, batch))  # first calls plan, build and calibrate: not the step's memory
         a.module.zero_grad(set_to_none=True)  # as a training loop does before the step: not inside the meter
         measured = measure_peak_profiler(lambda rm=rm: _step(rm, a, batch))[1]
         assert measured <= budget, (i, measured, budget)
         predicted = rm.plan.predicted_peak_bytes
-        assert abs(predicted - measured) <= PREDICTION_TOLERANCE[name] * measured, (i, predicted, measured)
+        assert abs(predicted - measured) <= 0.05 * measured, (i, predicted, measured)
 
 
 def test_infeasible_budget_names_smallest_feasible():

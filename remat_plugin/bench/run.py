@@ -37,6 +37,7 @@ from remat_plugin.bench.peers import EAGER_PEERS, Step, applicable_peers
 from remat_plugin.capture.memory_meter import PeakMeter, measure_peak_profiler
 from remat_plugin.errors import InfeasibleBudgetError, RematError
 from remat_plugin.runtime.module import RematModule, rematerialize
+from remat_plugin.runtime.side_effects import unobserved
 
 __all__ = ["RUN_PEERS", "BenchRow", "run_bench", "run_model", "time_ratios"]
 
@@ -122,12 +123,29 @@ def plan_timed(bench: BenchModel, batch: Batch, budget_bytes: int, label: str) -
     t0 = time.perf_counter()
     try:
         rm = rematerialize(bench.module, batch[0], batch[1], budget=budget_bytes)
+        _settle_plan(bench, rm, batch)
     except InfeasibleBudgetError as exc:
         return PlanAttempt(None, time.perf_counter() - t0, min_feasible_bytes=exc.min_feasible_bytes)
     except RematError as exc:
         log.warning("%s %s: %s", bench.name, label, exc)
         return PlanAttempt(None, time.perf_counter() - t0, error=str(exc))
     return PlanAttempt(rm, time.perf_counter() - t0)
+
+
+def _settle_plan(bench: BenchModel, rm: RematModule, batch: Batch) -> None:
+    """Unobserved training steps, as a training loop's first ones, until the plan stops changing: a new plan is
+    metered before its first step (NOTE [calibration] in remat_plugin.runtime.calibration), the first step
+    shows which outputs the loss drops and the next re-plans with them freed (NOTE [output usage] in
+    remat_plugin.runtime.resolver)."""
+    device = next((p.device for p in bench.module.parameters()), torch.device("cpu"))
+    with unobserved(bench.module, device):
+        for i in range(8):
+            plan = rm.plan
+            torch.manual_seed(GRAD_SEED)
+            bench.loss(rm(*batch[0], **batch[1])).backward()
+            if i >= 2 and rm.plan is plan:
+                break
+    bench.module.zero_grad(set_to_none=True)
 
 
 def _ours_row(context: _RunContext, fraction: float, min_feasible_bytes: int | None) -> tuple[BenchRow, int | None]:

@@ -8,6 +8,7 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.errors import CaptureError, RematError
-from remat_plugin.torch_private import BoxedCodeGen, aot_function, pytree, suspended_user_modes
+from remat_plugin.torch_private import BoxedCodeGen, aot_function, pytree, suspended_user_modes, without_donated_buffers
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,50 @@ class DoubleBackwardError(RematError):
     """``create_graph=True`` through a planned step: its backward is one program autograd cannot differentiate."""
 
 
-class _RefuseDoubleBackward(torch.autograd.Function):
-    """Identity on the step's outputs whose backward refuses ``create_graph=True``, before any gradient is computed.
+@dataclass(frozen=True)
+class OutputUsage:
+    """What the caller did with one call's tensor outputs (flat positions), seen as its backward began."""
 
-    AOTAutograd would run the planned backward and fail only at the second backward, with its own
-    message; gradient penalties and other double-backward losses should learn at the first call.
+    n_outputs: int
+    held: frozenset[int]  # still referenced (or a view of them is)
+    graded: frozenset[int]  # a gradient reached them
+
+    @property
+    def dropped(self) -> frozenset[int]:
+        """Outputs neither held nor differentiated: the step may free them once the forward returns them."""
+        return frozenset(range(self.n_outputs)) - self.held - self.graded
+
+
+class _OutputWatch:
+    """One call's outputs, by weak reference to their storage's base tensor: a view the caller keeps keeps it."""
+
+    def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None]):
+        self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
+        self.differentiable = differentiable
+        self.record = record
+
+    def seen(self, grads: tuple) -> None:
+        graded = {i for i, g in zip(self.differentiable, grads) if g is not None}
+        held = {i for i, ref in enumerate(self.refs) if ref() is not None}
+        self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded)))
+
+
+class _WatchedOutputs(torch.autograd.Function):
+    """Identity on the step's differentiable outputs.  Its backward, which runs before the planned one:
+
+    - refuses ``create_graph=True`` before any gradient is computed (AOTAutograd would run the planned
+      backward and fail only at the second backward, with its own message);
+    - tells the watch which outputs are still held and which a gradient reached (``OutputUsage``).
     """
 
     @staticmethod
-    def forward(ctx, *outputs: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, watch: _OutputWatch, *outputs: torch.Tensor):  # type: ignore[override]
+        ctx.watch = watch
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: that is what we learn
         return tuple(t.view_as(t) for t in outputs)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
         if torch.is_grad_enabled():  # the engine enables grad mode in backward exactly when create_graph=True
             raise DoubleBackwardError(
                 "remat_plugin.execute: backward(create_graph=True) or torch.autograd.grad(..., create_graph=True) "
@@ -69,15 +101,17 @@ class _RefuseDoubleBackward(torch.autograd.Function):
                 "which autograd cannot differentiate again (double backward, gradient penalties). Compute the "
                 "double-backward term with the unmodified module (run that call in eval mode or under "
                 "RematModule.original), or call backward without create_graph")
-        return grads
+        ctx.watch.seen(grads)
+        return (None, *grads)
 
 
-def _no_double_backward(outputs: tuple) -> tuple:
-    """``outputs`` with the tensors that carry gradients routed through :class:`_RefuseDoubleBackward`."""
+def _watched(outputs: tuple, record: Callable[[OutputUsage], None]) -> tuple:
+    """``outputs`` with those that carry gradients routed through :class:`_WatchedOutputs`."""
     index = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not index:
         return outputs
-    wrapped = _RefuseDoubleBackward.apply(*(outputs[i] for i in index))
+    watch = _OutputWatch(outputs, index, record)
+    wrapped = _WatchedOutputs.apply(watch, *(outputs[i] for i in index))
     out = list(outputs)
     for i, t in zip(index, wrapped):
         out[i] = t
@@ -94,10 +128,13 @@ class CompiledStep:
     out_spec: Any = None
     out_constants: dict[int, Any] = field(default_factory=dict)
     out_tensor_positions: list[int] = field(default_factory=list)
+    usage: OutputUsage | None = None  # of the latest call whose backward has begun
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        flat_out = _no_double_backward(self.fn(*self.params, *(leaves[i] for i in self.tensor_positions)))
+        flat_out = self.fn(*self.params, *(leaves[i] for i in self.tensor_positions))
+        without_donated_buffers(flat_out)
+        flat_out = _watched(flat_out, self._record)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):
@@ -106,6 +143,9 @@ class CompiledStep:
             out_leaves[pos] = c
         return pytree.tree_unflatten(out_leaves, self.out_spec)
 
+    def _record(self, usage: OutputUsage) -> None:
+        self.usage = usage
+
 
 def build_step(
     module: nn.Module,
@@ -113,11 +153,13 @@ def build_step(
     kwargs: dict,
     emit: Callable[[JointGraph], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
     device: torch.device,
+    dropped_outputs: frozenset[int] = frozenset(),
 ) -> CompiledStep:
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
 
     ``emit`` receives the joint graph (where planning happens) and returns the forward and
-    backward programs; AOTAutograd calls it as its partitioner.
+    backward programs; AOTAutograd calls it as its partitioner.  ``dropped_outputs``: the
+    flat tensor outputs the caller drops before backward (NOTE [dropped outputs]).
     """
     ep = export_module(module, args, kwargs)
     gm = ep.module()
@@ -143,7 +185,7 @@ def build_step(
     n_params = len(dict(module.named_parameters()))
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
-        joint = JointGraph(joint_gm, num_fwd_outputs, device.type)
+        joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
         joint.state_primals = {n.name for n in primals[: len(names)]}

@@ -7,6 +7,13 @@ a reader of a view reads the view's base value, and the executor re-derives the 
 the problem: always alive, costing nothing, except tangents, which a synthetic first
 backward op "makes" so their bytes count from the start of the backward.
 
+NOTE [dropped outputs]
+    A step's outputs stay alive to the end of the step (``live_out``) unless the caller is
+    known to drop them before ``backward()`` (``JointGraph.dropped_outputs``, learned from an
+    observed step: a training step keeps ``.loss`` and drops the logits).  A dropped output
+    is read by a synthetic last forward op ``__outputs_returned__``: alive until the forward
+    returns it, then freed at its last read like any other value.
+
 NOTE [random ops]
     A random op gets a synthetic forward op ``<name>__rng`` just before it, which
     captures the generator state (unrecomputable, a few KiB).  Recomputing the
@@ -22,9 +29,10 @@ import torch
 from torch import fx
 
 from remat_plugin.ir.problem import Op, Problem, Value
-from remat_plugin.torch_private import OpOverload
+from remat_plugin.torch_private import OpOverload, PlainAOTOutput, extract_fwd_bwd_outputs
 
 TANGENTS_OP = "__tangents__"
+OUTPUTS_OP = "__outputs_returned__"
 RNG_SUFFIX = "__rng"
 RNG_STATE_BYTES = {"cpu": 5056, "cuda": 16}
 
@@ -92,6 +100,8 @@ class JointGraph:
     state_primals: set[str] = field(default_factory=set)  # placeholders that are parameters or buffers
     grad_primals: set[str] = field(default_factory=set)  # placeholders that require grad
     real_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> the step's tensor (profiling)
+    dropped_outputs: frozenset[int] = frozenset()  # user outputs the caller drops before backward (NOTE above)
+    output_roots: dict[int, str] = field(default_factory=dict)  # user output index -> value holding its storage
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]
@@ -139,6 +149,24 @@ class JointGraph:
             r = self.root.get(a.name)
             if r is not None:
                 self.live_out.add(r)
+        fwd_outs, _, fwd_descs, _ = extract_fwd_bwd_outputs(self.gm, num_fwd_outputs=self.num_fwd_outputs)
+        for node, desc in zip(fwd_outs, fwd_descs):
+            if isinstance(desc, PlainAOTOutput) and isinstance(node, fx.Node) and self.root.get(node.name):
+                self.output_roots[desc.idx] = cast(str, self.root[node.name])
+
+    def dropped_values(self) -> list[str]:
+        """Values only dropped outputs hold (NOTE [dropped outputs]); an output sharing storage with
+        another output, a gradient or a mutated input stays live."""
+        out = next(n for n in self.gm.graph.nodes if n.op == "output")
+        held = [self.root.get(a.name) for i, a in enumerate(out.args[0])
+                if isinstance(a, fx.Node) and not (i in self._dropped_positions())]
+        dropped = [self.output_roots[i] for i in sorted(self.dropped_outputs) if i in self.output_roots]
+        return list(dict.fromkeys(v for v in dropped if v not in held))
+
+    def _dropped_positions(self) -> set[int]:
+        """Positions in the joint graph's output list of the dropped user outputs."""
+        _, _, fwd_descs, _ = extract_fwd_bwd_outputs(self.gm, num_fwd_outputs=self.num_fwd_outputs)
+        return {i for i, d in enumerate(fwd_descs) if isinstance(d, PlainAOTOutput) and d.idx in self.dropped_outputs}
 
     def _add_op(self, n: fx.Node, val) -> None:
         if isinstance(val, torch.Tensor):
@@ -200,7 +228,13 @@ class JointGraph:
         ops: list[Op] = []
         values: list[Value] = []
         tangent_names = {t.name for t in self.tangents}
+        dropped = self.dropped_values()
+        live_out = self.live_out - set(dropped)
+        held_outputs = live_out & set(self.output_roots.values())  # not buffer updates, which AOTAutograd copies back
+        returned = Op(OUTPUTS_OP, True, tuple(dropped), (), 0.0, recomputable=False) if dropped else None
         for n in self.ops:
+            if not self.is_fwd[n.name] and returned is not None and returned not in ops:
+                ops.append(returned)
             if not self.is_fwd[n.name] and self.tangents and not any(o.name == TANGENTS_OP for o in ops):
                 ops.append(Op(TANGENTS_OP, False, (), tuple(t.name for t in self.tangents), 0.0))
                 values.extend(
@@ -217,6 +251,10 @@ class JointGraph:
                 reads.append(rng)
             outs = self.values_of[n.name]
             temp = temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name]
-            ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp))
+            returned_here = self.is_fwd[n.name] and bool(set(outs) & held_outputs)  # the caller's: never recomputed
+            ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp,
+                          recomputable=not returned_here))
             values.extend(Value(v, self.value_bytes(v), n.name) for v in outs)
-        return Problem(tuple(ops), tuple(values), frozenset(self.live_out))
+        if returned is not None and returned not in ops:
+            ops.append(returned)
+        return Problem(tuple(ops), tuple(values), frozenset(live_out))

@@ -49,6 +49,9 @@ class Plan:
     baseline_timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
     n_fwd_ops: int = 0
     notes: tuple[str, ...] = ()  # what the user should know about how it was found (glued blocks, greedy menus)
+    # Outputs (flat tensor positions) the plan frees once the forward returns them: the caller was seen
+    # dropping them before backward (NOTE [dropped outputs] in remat_plugin.capture.joint).
+    dropped_outputs: tuple[int, ...] = ()
 
     @property
     def predicted_overhead(self) -> float:
@@ -64,7 +67,7 @@ class Plan:
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
-        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes"):
+        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes", "dropped_outputs"):
             data[name] = tuple(data.get(name, ()))
         return Plan(**data)
 

@@ -42,8 +42,9 @@ def check_schedule(problem: Problem, schedule: Schedule) -> None:
 def value_lifetimes(problem: Problem, sequence: list[str]) -> list[dict[str, int]]:
     """For each position ``i``, map each output value of that copy to the position after which it dies.
 
-    A copy dies after its last read; one never read dies right after it is made; a
-    ``live_out`` value never dies (``len(sequence)``).
+    A copy dies after its last read; one never read dies right after it is made; no copy of a
+    ``live_out`` value dies (``len(sequence)``): the forward returns its outputs to the caller, so
+    recomputing one later cannot free the first copy.
     """
     latest: dict[str, int] = {}
     death: list[dict[str, int]] = []
@@ -59,7 +60,7 @@ def value_lifetimes(problem: Problem, sequence: list[str]) -> list[dict[str, int
     end = len(sequence)
     for i, name in enumerate(sequence):
         for v in problem.op(name).outputs:
-            if v in problem.live_out and latest[v] == i:
+            if v in problem.live_out:  # every copy: a forward output is the caller's once returned
                 death[i][v] = end
     return death
 

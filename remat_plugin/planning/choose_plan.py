@@ -67,11 +67,11 @@ def _block_choices(planner: Planner, cp: ChainPlan | None, schedule: Schedule) -
     return tuple(choices)
 
 
-def _unmodified_plan(problem: Problem, base, user_budget_bytes: int, t0: float) -> Plan:
+def _unmodified_plan(problem: Problem, base, user_budget_bytes: int, margin_bytes: int, t0: float) -> Plan:
     """The plan that recomputes nothing, without the block analysis (one block)."""
     n_fwd = len(problem.fwd_ops)
     return Plan(
-        budget_bytes=user_budget_bytes, margin_bytes=safety_margin(user_budget_bytes),
+        budget_bytes=user_budget_bytes, margin_bytes=margin_bytes,
         predicted_peak_bytes=base.peak_bytes, predicted_time_ms=base.time_ms,
         baseline_peak_bytes=base.peak_bytes, baseline_time_ms=base.time_ms, min_feasible_bytes=-1,
         blocks=(BlockChoice(0, n_fwd, "keep", base.kept_bytes, 0.0),), n_unique_blocks=1,
@@ -80,23 +80,30 @@ def _unmodified_plan(problem: Problem, base, user_budget_bytes: int, t0: float) 
 
 
 def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
-              progress=None, find_floor: bool = True, planners: PlannerCache | None = None) -> tuple[Plan, Schedule]:
+              progress=None, find_floor: bool = True, planners: PlannerCache | None = None,
+              calibration_bytes: int = 0) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`.
 
     ``find_floor=False`` skips the solvers when the unmodified step fits (``min_feasible_bytes``
     is then -1, not computed): a training run with room to spare pays nothing for planning.
     ``planners`` keeps blocks and menus for the next budget tried on the same problem.
+    ``calibration_bytes``: what a metered step showed the model misses, kept back on top of the
+    safety margin (NOTE [calibration] in :mod:`remat_plugin.runtime.resolver`).
     """
     t0 = time.perf_counter()
     user_budget_bytes = budget_bytes
-    budget_bytes = user_budget_bytes - safety_margin(user_budget_bytes)
+    budget_bytes = user_budget_bytes - safety_margin(user_budget_bytes) - calibration_bytes
     keep_all = Schedule.keep_all(problem)
     base = simulate(problem, keep_all)
     if not find_floor and base.peak_bytes <= budget_bytes:
-        return _unmodified_plan(problem, base, user_budget_bytes, t0), keep_all
+        return _unmodified_plan(problem, base, user_budget_bytes, user_budget_bytes - budget_bytes, t0), keep_all
     planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s, progress)
     floor = lowest_peak(planner)
-    min_feasible = budget_for_peak(min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes)
+
+    def needed(peak_bytes: int) -> int:
+        return budget_for_peak(peak_bytes + calibration_bytes)
+
+    min_feasible = needed(min(base.peak_bytes, floor[1].peak_bytes) if floor else base.peak_bytes)
     chosen: ScheduleCandidate | None = None
     if base.peak_bytes <= budget_bytes:
         chosen = (keep_all, base, None)
@@ -112,7 +119,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     schedule, sim, cp = chosen
     if cp is not None and (planner.lowest is None or sim.peak_bytes < planner.lowest[1].peak_bytes):
         planner.lowest = (schedule, sim, cp)  # the search found a lower peak than the DP's least budget
-    min_feasible = min(min_feasible, budget_for_peak(sim.peak_bytes))
+    min_feasible = min(min_feasible, needed(sim.peak_bytes))
     blocks = _block_choices(planner, cp, schedule)
     plan = Plan(
         budget_bytes=user_budget_bytes,

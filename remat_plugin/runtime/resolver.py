@@ -10,8 +10,17 @@ In order, for a call with new input shapes:
    the plan, and the call's step replays that plan; when the bucket is the call's own shapes
    (or cannot be planned), the call's shapes are planned.
 
-:class:`~remat_plugin.runtime.module.RematModule` and
-:class:`~remat_plugin.runtime.session.RematSession` both resolve their steps here.
+NOTE [output usage]
+    A plan first assumes the caller keeps every output to the end of the step.  Each step
+    watches what the caller did (:class:`~remat_plugin.capture.export.OutputUsage`): when a
+    freshly solved step's outputs were dropped before ``backward()`` and got no gradient (a
+    training step keeps ``.loss``, drops the logits) and they are at least
+    :data:`REFINE_MIN_SHARE` of the predicted peak, the next call of those shapes re-plans
+    once with them freed after the forward.  A later step that holds or differentiates an
+    output its plan frees is logged as a warning (that step ran with the output alive, over
+    the plan by its size) and the next call re-plans with that output kept.
+
+Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
 """
 from __future__ import annotations
 
@@ -22,8 +31,10 @@ from typing import Any
 
 from torch import nn
 
-from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError
+from remat_plugin.capture.export import OutputUsage
+from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.calibration import Calibration, metered_step
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.reporting import announce, summary_line
 from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs
@@ -37,11 +48,12 @@ from remat_plugin.runtime.steps import (
     run_unobserved,
 )
 from remat_plugin.runtime.store import PlanStore
-from remat_plugin.torch_private import user_modes_active
+from remat_plugin.torch_private import profiler_active, user_modes_active
 
 log = logging.getLogger(__name__)
 
 BudgetFn = Callable[[], int]  # the budget in bytes, asked for only when a step must be made
+REFINE_MIN_SHARE = 0.01  # dropped outputs smaller than this share of the predicted peak are not worth a re-plan
 
 
 class StepResolver:
@@ -77,6 +89,9 @@ class StepResolver:
         self.latest_added: Plan | None = None  # the plan added to the store last
         self.n_solved = 0  # plans solved here (not replayed, loaded or received)
         self.n_replayed = 0  # steps built from a known plan
+        self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
+        self._refined: set[str] = set()  # signature keys re-planned for their output usage
+        self.calibration = Calibration()
 
     @property
     def current_plan(self) -> Plan | None:
@@ -155,15 +170,20 @@ class StepResolver:
         step = self.solve(call, budget_bytes)
         return step.plan, step  # type: ignore[return-value]  # None only while a lazy plan awaits its call
 
-    def solve(self, call: Call, budget_bytes: int, now: bool | None = None) -> PlannedStep:
-        """Capture, profile and solve for this call; with ``now`` (default: not ``plan_lazily``) before returning."""
+    def solve(self, call: Call, budget_bytes: int, now: bool | None = None, *,
+              dropped_outputs: frozenset[int] = frozenset(), refine: bool = False) -> PlannedStep:
+        """Capture, profile and solve for this call; with ``now`` (default: not ``plan_lazily``) before returning.
+
+        ``dropped_outputs``/``refine``: a re-plan for the outputs the caller drops (NOTE [output usage]).
+        """
         now = not self.plan_lazily if now is None else now
         model = type(self.module).__name__
         progress = PlanningProgress(f"planning {model}") if self.verbose else None
 
         def on_plan(step: PlannedStep) -> None:
             assert step.plan is not None
-            self._add(call.key, step.plan, solved=True)
+            self._add(call.key, step.plan, solved=not refine)
+            self.n_refined += refine
             self.store.save_to_disk(call.key, step.plan)
             if progress is not None:
                 progress.close()  # the line goes where the bar was
@@ -171,7 +191,10 @@ class StepResolver:
 
         with progress if progress is not None and now else contextlib.nullcontext():
             step = plan_step(self.module, call, budget_bytes, ilp_time_limit_s=self.ilp_time_limit_s,
-                             caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan)
+                             caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
+                             dropped_outputs=dropped_outputs,
+                             calibration_bytes=self.calibration.bytes_for(call.key))
+            step.to_meter = True
             if now and not step.checked:
                 run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped
         if progress is not None and not now and not step.checked:
@@ -190,11 +213,17 @@ class StepResolver:
             self.on_new_plan(plan)
 
     # --- running ---------------------------------------------------------------------------
-    def run(self, call: Call, step: PlannedStep, budget: BudgetFn, *, replan_on_mismatch: bool = True) -> Any:
-        """Run ``step`` on ``call``; a replayed plan that does not fit this graph is replaced by a new plan."""
+    def run(self, call: Call, step: PlannedStep, budget: BudgetFn, *, replan_on_mismatch: bool = True,
+            refine: bool = True) -> Any:
+        """Run ``step`` on ``call``; a replayed plan that does not fit this graph is replaced by a new plan.
+
+        ``refine``: re-plan for what the caller did with the previous outputs (NOTE [output usage]).
+        """
+        if refine:
+            step = self._refined_step(call, step, budget)
         self.latest = step
         try:
-            return self._call(step, call)
+            return self._call(step, call, budget if refine else None)
         except PlanMismatch as exc:  # raised by a replayed step's first call, before anything ran
             if not replan_on_mismatch:
                 raise RematError(f"remat_plugin.session: the plan agreed between ranks does not apply here: {exc}") \
@@ -202,10 +231,67 @@ class StepResolver:
             log.info("remat_plugin: plan does not replay on %s (%s); planning these shapes", call.key[:120], exc)
             step = self.steps[call.key] = self.solve(call, budget())
             self.latest = step
-            return self._call(step, call)
+            return self._call(step, call, budget if refine else None)
 
-    def _call(self, step: PlannedStep, call: Call) -> Any:
+    def _refined_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
+        """``step``, or a new plan of its shapes when the previous call used its outputs otherwise than planned
+        (NOTE [output usage])."""
+        usage = step.take_usage()
+        if step.plan is None or step.plan.fallback:
+            return step
+        dropped = self._dropped_outputs(call, step, usage)
+        if dropped is None:
+            return step
+        step = self.steps[call.key] = self.solve(call, budget(), dropped_outputs=dropped, refine=True)
+        return step
+
+    def _dropped_outputs(self, call: Call, step: PlannedStep, usage: OutputUsage | None) -> frozenset[int] | None:
+        """The outputs a new plan should free after the forward, or None to keep the plan (NOTE [output usage])."""
+        assert step.plan is not None
+        if usage is None:
+            return None
+        assumed = frozenset(step.plan.dropped_outputs)
+        if assumed - usage.dropped:
+            log.warning("remat_plugin: the caller kept or differentiated output(s) %s of %s, which its plan frees "
+                        "after the forward (the caller had dropped them before); that step ran with them alive, "
+                        "above the plan by their size. Planning these shapes with them kept",
+                        sorted(assumed - usage.dropped), type(self.module).__name__)
+            return assumed & usage.dropped
+        if assumed or not usage.dropped or step.problem is None or call.key in self._refined:
+            return None
+        dropped_bytes = sum(step.output_bytes.get(i, 0) for i in usage.dropped)
+        if dropped_bytes < REFINE_MIN_SHARE * step.plan.predicted_peak_bytes:
+            return None
+        self._refined.add(call.key)
+        log.info("remat_plugin: the caller drops output(s) %s (%s) before backward; planning %s again with "
+                 "them freed after the forward", sorted(usage.dropped), human_bytes(dropped_bytes),
+                 call.signature.describe())
+        return usage.dropped
+
+    def _calibrated_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
+        """``step`` once metered, or the plan its metering called for (NOTE [calibration])."""
+        while step.to_meter and step.checked and step.plan is not None and not profiler_active():
+            step.to_meter = False  # a caller's profiler defers metering to a later call: sessions do not nest
+            plan, measured = step.plan, metered_step(self.module, step, call)
+            if measured is None or not self.calibration.correct(call, plan, measured):
+                break
+            try:
+                step = self.steps[call.key] = self.solve(call, budget(), now=True, refine=True,
+                                                         dropped_outputs=frozenset(step.plan.dropped_outputs))
+            except InfeasibleBudgetError:
+                if measured > plan.budget_bytes:
+                    raise
+                self.calibration.withdraw(call)
+                log.warning("remat_plugin: calibration: no plan keeps that much back; keeping the plan, which "
+                            "measured within the budget")
+                break
+        self.latest = step
+        return step
+
+    def _call(self, step: PlannedStep, call: Call, budget: BudgetFn | None) -> Any:
         with self._planning.pop(call.key, contextlib.nullcontext()):
             if not step.checked and user_modes_active():
                 run_unobserved(self.module, step, call)  # capture and planning outside the caller's modes
+            if budget is not None:
+                step = self._calibrated_step(call, step, budget)
             return step(call.args, call.kwargs)

@@ -111,7 +111,8 @@ class RematSession:
         step = self.agreement.step_for(call, budget) if distributed else None
         if step is None:
             step = self.resolver.step_for(call, budget)
-        return self.resolver.run(call, step, budget, replan_on_mismatch=not distributed)
+        # ranks run one agreed plan: a re-plan for one rank's output usage would split them (NOTE [output usage])
+        return self.resolver.run(call, step, budget, replan_on_mismatch=not distributed, refine=not distributed)
 
     # --- budget --------------------------------------------------------------------------
     def training_budget(self, args: tuple, kwargs: dict) -> int:

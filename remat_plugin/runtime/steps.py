@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.estimated_costs import estimate_costs
-from remat_plugin.capture.export import build_step
+from remat_plugin.capture.export import OutputUsage, build_step
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops
 from remat_plugin.capture.programs import emit_programs
@@ -78,9 +78,18 @@ class PlannedStep:
     problem: Problem | None = None
     checked: bool = False
     tensor_ids: tuple[int, ...] = ()
+    output_bytes: dict[int, int] = field(default_factory=dict)  # flat tensor output -> bytes of its storage
+    to_meter: bool = False  # to be metered before its next call runs (NOTE [calibration])
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         return self.run(args, kwargs)
+
+    def take_usage(self) -> OutputUsage | None:
+        """What the caller did with the outputs of the latest call whose backward began (once; None if unseen)."""
+        usage = getattr(self.run, "usage", None)
+        if usage is not None:
+            self.run.usage = None  # type: ignore[attr-defined]
+        return usage
 
 
 def graph_key(joint: JointGraph) -> str:
@@ -103,8 +112,13 @@ def measured_problem(joint: JointGraph, device: torch.device, progress=None,
 
 def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,
               caches: PlanningCaches, progress=None, find_floor: bool = True,
-              on_plan: Callable[[PlannedStep], None] | None = None) -> PlannedStep:
+              on_plan: Callable[[PlannedStep], None] | None = None,
+              dropped_outputs: frozenset[int] = frozenset(), calibration_bytes: int = 0) -> PlannedStep:
     """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
+
+    ``dropped_outputs``: flat tensor outputs the caller drops before backward, freed once returned
+    (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`).  ``calibration_bytes``: kept back from
+    the budget for what a metered step showed the model misses (NOTE [calibration]).
 
     Models ``torch.export`` cannot capture fall back to per-layer checkpointing when they have
     a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
@@ -120,10 +134,11 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
         if progress is not None:
             progress.stage("solve blocks, chain DP")
         plan, schedule = make_plan(problem, constants, budget_bytes, ilp_time_limit_s, progress, find_floor,
-                                   caches.planners)
+                                   caches.planners, calibration_bytes)
         step.plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=call.key,
-                                        graph_key=graph_key(joint))
+                                        graph_key=graph_key(joint), dropped_outputs=tuple(sorted(dropped_outputs)))
         step.problem, step.checked = problem, True
+        step.output_bytes = {i: joint.value_bytes(v) for i, v in joint.output_roots.items()}
         if on_plan is not None:
             on_plan(step)
         return emit_programs(joint, schedule)
@@ -131,7 +146,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     if progress is not None:
         progress.stage("capture")
     try:
-        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device)
+        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs)
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)
         step.checked = True
@@ -199,7 +214,8 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) ->
         step.checked = True
         return emit_programs(joint, Schedule(plan.schedule))
 
-    step.run = build_step(module, call.args, call.kwargs, check_and_emit, call.device)
+    step.run = build_step(module, call.args, call.kwargs, check_and_emit, call.device,
+                          frozenset(plan.dropped_outputs))
     return step
 
 

@@ -1,0 +1,120 @@
+"""Calibration: a new plan is metered at the allocator before a caller's step runs it, and corrected.
+
+NOTE [calibration]
+    Before the first call of a plan solved here runs, one forward+backward of it is metered at
+    the allocator (:func:`metered_step`: the CPU allocator's events, CUDA's counters), unobserved:
+    buffers, RNG and ``.grad`` are left as they were.  If it rose above the budget, or more than
+    :data:`TOLERANCE` (and 64 KiB) above the prediction plus the corrections already made, the gap
+    is added to the bytes the planner keeps back and the shapes are planned again, the new plan
+    metered in turn: at most :data:`MAX_CORRECTIONS` corrections per signature, each logged as a
+    warning.  So a model that misses memory costs extra metered steps, never a caller's step over
+    budget.  If no plan fits with the correction, a plan that measured over the budget raises
+    :class:`~remat_plugin.errors.InfeasibleBudgetError`; one that measured within it is kept.
+    A prediction above the measurement is budget left unused, not a risk: it is not corrected.
+    Metering runs with the caller's dispatch modes suspended, and waits while the caller's
+    profiler runs (sessions do not nest).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from remat_plugin.capture.memory_meter import measure_peak, measure_peak_profiler
+from remat_plugin.errors import human_bytes
+from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
+from remat_plugin.runtime.side_effects import unobserved
+from remat_plugin.runtime.signature import Call
+from remat_plugin.runtime.steps import PlannedStep
+from remat_plugin.torch_private import pytree, suspended_user_modes
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = 0.05  # a metered peak this far above the prediction is corrected
+MAX_CORRECTIONS = 2
+
+
+def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None:
+    """The allocator's peak rise over one forward+backward of ``step`` on ``call``, run unobserved; None when
+    no output carries a gradient or the step could not be metered (a warning says why).
+
+    It mirrors a caller's step: outputs the plan frees are dropped, the others held through the
+    backward, which starts from the first scalar output (the loss; else the sum of the first
+    differentiable output), so the other outputs' gradients are materialized as in the caller's
+    step.  Gradients are returned by ``torch.autograd.grad``, not accumulated: ``.grad``, DDP's and
+    optimizers' accumulation hooks are untouched.
+    """
+    assert step.plan is not None
+    params = [p for p in module.parameters() if p.requires_grad]
+    dropped = set(step.plan.dropped_outputs)
+
+    # Inputs that need no gradient are passed as fresh aliases: hooks a caller's tool put on them (a module
+    # tracker's backward hooks) are not ours to fire.
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t if t.requires_grad else t.detach(),
+                                        (call.args, call.kwargs))
+
+    def run() -> bool:
+        outputs = [t for t in pytree.tree_leaves(step(args, kwargs)) if isinstance(t, torch.Tensor)]
+        held = [t for i, t in enumerate(outputs) if i not in dropped]
+        del outputs
+        roots = [t for t in held if t.requires_grad and t.is_floating_point()]
+        if not roots or not params:
+            return False
+        loss = next((t for t in roots if t.numel() == 1), None)
+        torch.autograd.grad(loss if loss is not None else roots[0].sum(), params, allow_unused=True)
+        return True
+
+    try:
+        with suspended_user_modes(), unobserved(module, call.device):
+            if call.device.type == "cuda":
+                ran, peak = measure_peak(run, call.device)
+            else:
+                ran, peak = measure_peak_profiler(run)
+    except RuntimeError as exc:  # a hook of the caller's may refuse autograd.grad: metering is ours, not the step
+        if isinstance(exc, torch.OutOfMemoryError):
+            raise
+        log.warning("remat_plugin: calibration: the metered step of %s failed (%s: %s); its plan runs unmetered",
+                    type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        return None
+    finally:
+        step.take_usage()  # what this backward did with the outputs is ours, not the caller's (NOTE [output usage])
+    return peak if ran else None
+
+
+class Calibration:
+    """The corrections made per signature key (NOTE [calibration])."""
+
+    def __init__(self) -> None:
+        self.corrections: dict[str, list[int]] = {}
+
+    def bytes_for(self, key: str) -> int:
+        """Bytes the planner keeps back for this signature, on top of the safety margin."""
+        return sum(self.corrections.get(key, ()))
+
+    def correct(self, call: Call, plan: Plan, measured: int) -> bool:
+        """Whether ``measured`` (the plan's metered peak) calls for a new plan; the correction is then recorded.
+
+        A correction is the measured gap: the next plan keeps it back, so that its peak as predicted
+        plus the gap stays within the usable budget.
+        """
+        corrections = self.corrections.setdefault(call.key, [])
+        expected = plan.predicted_peak_bytes + sum(corrections)
+        gap = measured - expected
+        where = (f"measured peak {human_bytes(measured)} against predicted {human_bytes(expected)} "
+                 f"(budget {human_bytes(plan.budget_bytes)}) for {call.signature.describe()}")
+        if measured <= plan.budget_bytes and gap <= max(TOLERANCE * plan.predicted_peak_bytes, MARGIN_MIN_BYTES):
+            log.debug("remat_plugin: calibration: %s", where)
+            return False
+        if len(corrections) >= MAX_CORRECTIONS:
+            log.warning("remat_plugin: calibration: %s after %d corrections; not correcting again. Lower the "
+                        "budget by the difference", where, len(corrections))
+            return False
+        corrections.append(gap)
+        log.warning("remat_plugin: calibration: %s; planning again with %s more kept back (correction %d of %d)",
+                    where, human_bytes(gap), len(corrections), MAX_CORRECTIONS)
+        return True
+
+    def withdraw(self, call: Call) -> None:
+        """Forget the latest correction: no plan keeps it back, and the plan it corrected measured within budget."""
+        self.corrections[call.key].pop()

@@ -1,0 +1,89 @@
+"""Output liveness (NOTE [output usage] in remat_plugin.runtime.resolver): a step learns which outputs the caller
+drops before backward, the next call re-plans with them freed after the forward, and a caller that later keeps
+or differentiates one of them is detected and planned for.  Gradients stay those of the unmodified model."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from budgets import assert_same_grads_and_buffers
+
+from remat_plugin import rematerialize
+from remat_plugin.capture.memory_meter import measure_peak_profiler
+
+pytest.importorskip("transformers")
+from remat_plugin.bench.models import build
+
+LOGITS = 1  # HF's CausalLMOutput: (loss, logits)
+
+
+def _gpt2():
+    bm = build("gpt2-tiny", n_layer=2, batch_size=4, seq_len=128)
+    return bm.module, copy.deepcopy(bm.module), bm.make_batch(0)
+
+
+def _step(module, reference, batch, seed: int, keep_output: bool = False, loss_of=lambda out: out.loss) -> int:
+    """One training step of ``module`` and of ``reference`` on the same dropout masks; their gradients must agree.
+    Returns ``module``'s step peak by the CPU allocator."""
+    args, kwargs = batch
+    for m in (module, reference):
+        for p in m.parameters():
+            p.grad = None
+
+    def run():
+        torch.manual_seed(seed)
+        out = module(*args, **kwargs)
+        loss = loss_of(out)
+        if not keep_output:
+            del out
+        loss.backward()
+
+    _, peak = measure_peak_profiler(run)
+    torch.manual_seed(seed)
+    loss_of(reference(*args, **kwargs)).backward()
+    assert_same_grads_and_buffers(module, reference, f"step {seed}")
+    return peak
+
+
+def test_dropped_logits_are_freed_after_the_forward_and_a_caller_that_keeps_them_is_planned_for(caplog):
+    module, reference, batch = _gpt2()
+    budget = 40 * 2**20
+    rm = rematerialize(module, *batch, budget=budget, verbose=False)
+    safe = rm.plan
+    assert safe.dropped_outputs == ()
+    _step(rm, reference, batch, 0)  # the caller keeps .loss only: seen as its backward begins
+    assert rm._resolver.n_refined == 0
+
+    peak = _step(rm, reference, batch, 1)  # re-planned with the logits freed once returned
+    refined = rm.plan
+    assert rm._resolver.n_refined == 1 and refined.dropped_outputs == (LOGITS,)
+    logits_bytes = 4 * 128 * 1000 * 4
+    for what in ("baseline_peak_bytes", "min_feasible_bytes"):  # the logits no longer live through backward
+        assert getattr(refined, what) <= getattr(safe, what) - logits_bytes // 2, what
+    assert refined.predicted_time_ms <= safe.predicted_time_ms
+    assert peak <= budget
+    assert abs(peak - refined.predicted_peak_bytes) <= 0.05 * peak, (peak, refined.predicted_peak_bytes)
+    _step(rm, reference, batch, 2)
+    assert rm._resolver.n_refined == 1  # learned once
+
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        _step(rm, reference, batch, 3, keep_output=True)  # now the caller holds the output through backward
+        _step(rm, reference, batch, 4, keep_output=True)  # ... which this call plans for
+    assert "kept or differentiated output(s) [1]" in caplog.text
+    assert rm.plan.dropped_outputs == () and rm._resolver.n_refined == 2
+    _step(rm, reference, batch, 5, keep_output=True)
+    assert rm._resolver.n_refined == 2
+
+
+def test_an_output_the_loss_reads_is_not_dropped():
+    module, reference, batch = _gpt2()
+    rm = rematerialize(module, *batch, budget=40 * 2**20, verbose=False)
+
+    def loss_of(out):
+        return out.loss + 1e-3 * out.logits.float().square().mean()
+
+    for seed in range(3):
+        _step(rm, reference, batch, seed, loss_of=loss_of)
+    assert rm.plan.dropped_outputs == () and rm._resolver.n_refined == 0

@@ -21,6 +21,9 @@ NOTE [output usage]
     the plan by its size) and the next call re-plans with that output kept.
 
 Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
+
+:class:`~remat_plugin.runtime.module.RematModule` and
+:class:`~remat_plugin.runtime.session.RematSession` both resolve their steps here.
 """
 from __future__ import annotations
 
@@ -270,14 +273,15 @@ class StepResolver:
 
     def _calibrated_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
         """``step`` once metered, or the plan its metering called for (NOTE [calibration])."""
-        while step.to_meter and step.checked and step.plan is not None and not profiler_active():
+        while step.to_meter and step.checked and step.problem is not None and not profiler_active():
             step.to_meter = False  # a caller's profiler defers metering to a later call: sessions do not nest
             plan, measured = step.plan, metered_step(self.module, step, call)
+            assert plan is not None
             if measured is None or not self.calibration.correct(call, plan, measured):
                 break
             try:
                 step = self.steps[call.key] = self.solve(call, budget(), now=True, refine=True,
-                                                         dropped_outputs=frozenset(step.plan.dropped_outputs))
+                                                         dropped_outputs=frozenset(plan.dropped_outputs))
             except InfeasibleBudgetError:
                 if measured > plan.budget_bytes:
                     raise

@@ -2,7 +2,7 @@
 
 NOTE [calibration]
     Before the first call of a plan solved here runs, one forward+backward of it is metered at
-    the allocator (:func:`metered_step`: the CPU allocator's events, CUDA's counters), unobserved:
+    the allocator (:func:`metered_step`: the allocator's own events, on CPU and CUDA), unobserved:
     buffers, RNG and ``.grad`` are left as they were.  If it rose above the budget, or more than
     :data:`TOLERANCE` (and 64 KiB) above the prediction plus the corrections already made, the gap
     is added to the bytes the planner keeps back and the shapes are planned again, the new plan
@@ -21,7 +21,7 @@ import logging
 import torch
 from torch import nn
 
-from remat_plugin.capture.memory_meter import measure_peak, measure_peak_profiler
+from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
 from remat_plugin.errors import human_bytes
 from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime.side_effects import unobserved
@@ -66,11 +66,11 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
         return True
 
     try:
-        with suspended_user_modes(), unobserved(module, call.device):
-            if call.device.type == "cuda":
-                ran, peak = measure_peak(run, call.device)
-            else:
-                ran, peak = measure_peak_profiler(run)
+        # The allocator's own events on CPU and CUDA alike: unlike max_memory_allocated, reading them resets
+        # none of the caller's peak statistics.
+        with suspended_user_modes(), unobserved(module, call.device), memory_profile(cuda=call.device.type == "cuda") as prof:
+            ran = run()
+        peak = allocator_trace(prof, call.device).peak_rise()[0]
     except RuntimeError as exc:  # a hook of the caller's may refuse autograd.grad: metering is ours, not the step
         if isinstance(exc, torch.OutOfMemoryError):
             raise

@@ -102,6 +102,7 @@ class JointGraph:
     real_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> the step's tensor (profiling)
     dropped_outputs: frozenset[int] = frozenset()  # user outputs the caller drops before backward (NOTE above)
     output_roots: dict[int, str] = field(default_factory=dict)  # user output index -> value holding its storage
+    output_positions: dict[int, int] = field(default_factory=dict)  # user output index -> joint output position
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]
@@ -150,23 +151,20 @@ class JointGraph:
             if r is not None:
                 self.live_out.add(r)
         fwd_outs, _, fwd_descs, _ = extract_fwd_bwd_outputs(self.gm, num_fwd_outputs=self.num_fwd_outputs)
-        for node, desc in zip(fwd_outs, fwd_descs):
+        for position, (node, desc) in enumerate(zip(fwd_outs, fwd_descs)):
             if isinstance(desc, PlainAOTOutput) and isinstance(node, fx.Node) and self.root.get(node.name):
                 self.output_roots[desc.idx] = cast(str, self.root[node.name])
+                self.output_positions[desc.idx] = position
 
     def dropped_values(self) -> list[str]:
         """Values only dropped outputs hold (NOTE [dropped outputs]); an output sharing storage with
         another output, a gradient or a mutated input stays live."""
         out = next(n for n in self.gm.graph.nodes if n.op == "output")
-        held = [self.root.get(a.name) for i, a in enumerate(out.args[0])
-                if isinstance(a, fx.Node) and not (i in self._dropped_positions())]
+        dropped_positions = {self.output_positions[i] for i in self.dropped_outputs if i in self.output_positions}
+        held = {self.root.get(a.name) for i, a in enumerate(out.args[0])
+                if isinstance(a, fx.Node) and i not in dropped_positions}
         dropped = [self.output_roots[i] for i in sorted(self.dropped_outputs) if i in self.output_roots]
         return list(dict.fromkeys(v for v in dropped if v not in held))
-
-    def _dropped_positions(self) -> set[int]:
-        """Positions in the joint graph's output list of the dropped user outputs."""
-        _, _, fwd_descs, _ = extract_fwd_bwd_outputs(self.gm, num_fwd_outputs=self.num_fwd_outputs)
-        return {i for i, d in enumerate(fwd_descs) if isinstance(d, PlainAOTOutput) and d.idx in self.dropped_outputs}
 
     def _add_op(self, n: fx.Node, val) -> None:
         if isinstance(val, torch.Tensor):
@@ -232,15 +230,18 @@ class JointGraph:
         live_out = self.live_out - set(dropped)
         held_outputs = live_out & set(self.output_roots.values())  # not buffer updates, which AOTAutograd copies back
         returned = Op(OUTPUTS_OP, True, tuple(dropped), (), 0.0, recomputable=False) if dropped else None
+        in_forward = True  # the synthetic ops between forward and backward are still to come
         for n in self.ops:
-            if not self.is_fwd[n.name] and returned is not None and returned not in ops:
-                ops.append(returned)
-            if not self.is_fwd[n.name] and self.tangents and not any(o.name == TANGENTS_OP for o in ops):
-                ops.append(Op(TANGENTS_OP, False, (), tuple(t.name for t in self.tangents), 0.0))
-                values.extend(
-                    Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
-                    for t in self.tangents
-                )
+            if in_forward and not self.is_fwd[n.name]:
+                in_forward = False
+                if returned is not None:
+                    ops.append(returned)
+                if self.tangents:
+                    ops.append(Op(TANGENTS_OP, False, (), tuple(t.name for t in self.tangents), 0.0))
+                    values.extend(
+                        Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
+                        for t in self.tangents
+                    )
             reads = list(self.reads(n))
             reads += [a.name for a in _node_args(n) if a.name in tangent_names and a.name not in reads]
             if n.name in self.random_ops:
@@ -255,6 +256,6 @@ class JointGraph:
             ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp,
                           recomputable=not returned_here))
             values.extend(Value(v, self.value_bytes(v), n.name) for v in outs)
-        if returned is not None and returned not in ops:
+        if in_forward and returned is not None:
             ops.append(returned)
         return Problem(tuple(ops), tuple(values), frozenset(live_out))

@@ -88,7 +88,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     is then -1, not computed): a training run with room to spare pays nothing for planning.
     ``planners`` keeps blocks and menus for the next budget tried on the same problem.
     ``calibration_bytes``: what a metered step showed the model misses, kept back on top of the
-    safety margin (NOTE [calibration] in :mod:`remat_plugin.runtime.resolver`).
+    safety margin (NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`).
     """
     t0 = time.perf_counter()
     user_budget_bytes = budget_bytes

@@ -55,7 +55,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module
-from accelerate.utils import DistributedType, DynamoBackend, extract_model_from_parallel, send_to_device
+from accelerate.utils import (
+    DistributedType,
+    DynamoBackend,
+    convert_outputs_to_fp32,
+    extract_model_from_parallel,
+    get_mixed_precision_context_manager,
+    send_to_device,
+)
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
@@ -74,6 +81,7 @@ from remat_plugin.runtime.signature import describe
 log = logging.getLogger(__name__)
 
 # Accelerate set-ups whose module we cannot (yet) rewrite: they shard or compile the model themselves.
+SUPPORTED_MIXED_PRECISION = ("no", "bf16", "fp16")  # fp8 recipes (Transformer Engine, MS-AMP, torchao) are not
 _UNSUPPORTED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
 _BUDGET_ENV = ENV_VARIABLES["budget"]
 
@@ -153,15 +161,19 @@ class RematHook(ModelHook):
         config: every option, auto batch size included (what :func:`choose_batch_size` does).
         optimizers: returns the optimizers of the module's parameters, called when a plan is
             made: state they have not created yet is taken out of the budget.
+        wrap_forward: wraps the session's forward as Accelerate wrapped the module's (mixed precision's
+            autocast and fp32 outputs), since the session replaces that wrapped forward.
         auto_batch_size, multiple_of, max_val: kept for older callers; when given (not None) they
             replace the config's, and :class:`RematConfig` checks them.
     """
 
     def __init__(self, config: RematConfig | None = None, *, optimizers: Callable[[], Iterable] = tuple,
-                 auto_batch_size: bool | str | None = None, multiple_of: int | None = None, max_val: int | None = None):
+                 auto_batch_size: bool | str | None = None, multiple_of: int | None = None, max_val: int | None = None,
+                 wrap_forward: Callable[[Callable], Callable] | None = None):
         given: dict[str, Any] = {"auto_batch_size": auto_batch_size, "multiple_of": multiple_of, "max_val": max_val}
         self.config = dataclasses.replace(config or RematConfig(), **{k: v for k, v in given.items() if v is not None})
         self.optimizers = optimizers
+        self.wrap_forward = wrap_forward
         self.batch_size_choice: BatchSizeChoice | None = None  # set by choose_batch_size
         self.session: RematSession | None = None
         self._real_forward: Callable | None = None
@@ -189,6 +201,8 @@ class RematHook(ModelHook):
                 self.session.load_state_dict(self._stored_state)
         self._real_forward = real
         self._dispatch = self.session.dispatcher(real)
+        if self.wrap_forward is not None:
+            self._dispatch = self.wrap_forward(self._dispatch)
         module._old_forward = self._dispatch  # type: ignore[assignment]
         return module
 
@@ -263,7 +277,8 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
 
     prepared = accelerator.prepare(model)
     target = extract_model_from_parallel(prepared, keep_torch_compile=False)
-    hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target))
+    hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target),
+                     wrap_forward=_mixed_precision_forward(accelerator))
     add_hook_to_module(target, hook, append=True)
     _keep_plans_in_checkpoints(accelerator, target, hook)
     if config.verbose:
@@ -272,16 +287,31 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     return prepared
 
 
+def _mixed_precision_forward(accelerator: Accelerator) -> Callable[[Callable], Callable] | None:
+    """What ``accelerator.prepare`` wraps the forward in under mixed precision (autocast, outputs to fp32).
+
+    The session replaces ``module._old_forward``, which is that wrapped forward: the planned step
+    must run inside the same autocast, so its casts are traced and replayed as the unmodified step's.
+    """
+    if not accelerator.native_amp:
+        return None
+
+    def wrap(forward: Callable) -> Callable:
+        autocast = get_mixed_precision_context_manager(accelerator.native_amp, accelerator.autocast_handler)
+        return convert_outputs_to_fp32(autocast(forward))
+
+    return wrap
+
+
 def _check_supported(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type
     if kind in _UNSUPPORTED:
         raise RematError(f"remat_plugin.accelerate: distributed_type {kind.value} is not supported; the plan runs "
                          f"in one process or under DDP (MULTI_GPU, MULTI_CPU, ...). Unset {_BUDGET_ENV} or "
                          "drop budget= to train without remat.")
-    if accelerator.mixed_precision != "no":
-        raise RematError(f"remat_plugin.accelerate: mixed_precision {accelerator.mixed_precision!r} is not supported "
-                         "yet: under autocast the planned step's gradients are not bit-equal to those of the "
-                         f"unmodified model. Use mixed_precision='no', or unset {_BUDGET_ENV}.")
+    if accelerator.mixed_precision not in SUPPORTED_MIXED_PRECISION:
+        raise RematError(f"remat_plugin.accelerate: mixed_precision {accelerator.mixed_precision!r} is not supported; "
+                         f"use one of {', '.join(SUPPORTED_MIXED_PRECISION)}, or unset {_BUDGET_ENV}.")
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         raise RematError("remat_plugin.accelerate: the Accelerator compiles the model (dynamo_backend "
                          f"{accelerator.state.dynamo_plugin.backend.value}); remat_plugin runs its own planned "

@@ -6,6 +6,12 @@ plans on the first training call (the real batch, already on the device, inside 
 step), re-plans per shape bucket and keeps plans in the callback's checkpoint state.  No module
 is replaced or wrapped, so ``state_dict`` keys, ``Parameter`` objects and checkpoints are
 exactly those of the run without the callback.
+
+Precision: Lightning's ``32``/``64``/``16``/``bf16`` ``-true`` and ``-mixed`` settings.  Under
+``-mixed`` the session plans the step as it runs inside Lightning's autocast block (the casts are
+ops of the plan, the signature includes the autocast state); ``16-mixed``'s GradScaler scales the
+loss outside the planned step.  Other precision plugins (Transformer Engine's fp8, bitsandbytes)
+are refused at setup.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.forward_swap import ForwardSwap
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import BucketPolicy, describe
+
+SUPPORTED_PRECISION = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 def _calls_self(pl_module: pl.LightningModule) -> bool:
@@ -149,7 +157,15 @@ class AutoRemat(pl.Callback):
         self.batch_size_choice = choice
         self._info(f"AutoRemat: {choice.summary()}")
 
+    @staticmethod
+    def check_precision(precision: str) -> None:
+        """Refuse a precision the planned step cannot reproduce (fp8 recipes, quantized weights)."""
+        if str(precision) not in SUPPORTED_PRECISION:
+            raise RematError(f"AutoRemat: Trainer precision {str(precision)!r} is not supported; use one of "
+                             f"{', '.join(SUPPORTED_PRECISION)}, or remove AutoRemat")
+
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_precision(trainer.precision)
         name, target = pick_target(pl_module, self.module_name)
         shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
         self._info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
@@ -161,6 +177,9 @@ class AutoRemat(pl.Callback):
                                     on_new_plan=self._announce, report=rank_zero_info)
         if self._stored_state is not None:
             self.session.load_state_dict(self._stored_state)
+        # Manual optimization calls manual_backward inside training_step, inside Lightning's autocast block.
+        self.session.resolver.backward_autocast = (not pl_module.automatic_optimization
+                                                   and str(trainer.precision).endswith("-mixed"))
         self._swap = ForwardSwap(target, self.session.dispatcher)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

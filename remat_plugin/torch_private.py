@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch._decomp import decompositions as _decompositions
 from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     SavedForBackwardsAOTOutput,
@@ -50,7 +51,10 @@ __all__ = [
     "TorchDispatchMode",
     "UnsupportedTorchError",
     "activation_memory_budget",
+    "any_autocast_enabled",
     "aot_function",
+    "autocast_disabled",
+    "autocast_state",
     "extract_fwd_bwd_outputs",
     "extract_graph_with_inputs_outputs",
     "in_backward",
@@ -61,6 +65,7 @@ __all__ = [
     "pytree",
     "reset_dynamo",
     "suspended_user_modes",
+    "traced_like_eager",
     "unset_fake_temporarily",
     "user_modes_active",
     "without_donated_buffers",
@@ -120,6 +125,74 @@ def without_donated_buffers(outputs: tuple) -> None:
         if metadata is not None and hasattr(metadata, "bw_donated_idxs"):
             metadata.bw_donated_idxs = []
             return
+
+
+def autocast_state() -> tuple[tuple[str, str, bool], ...]:
+    """The caller's autocast settings, per device type where enabled: ``(device, dtype, cache_enabled)``."""
+    state = []
+    for device in torch._C._autocast_supported_devices():
+        if torch.is_autocast_enabled(device):
+            state.append((device, str(torch.get_autocast_dtype(device)), bool(torch.is_autocast_cache_enabled())))
+    return tuple(state)
+
+
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for some device (in a backward: the caller ran ``backward()`` inside the block)."""
+    return bool(torch._C._is_any_autocast_enabled())
+
+
+def autocast_disabled() -> contextlib.AbstractContextManager[None]:
+    """No autocast on any device inside (ops of a traced graph already carry their casts)."""
+    return torch._C._DisableAutocast()
+
+
+def _eager_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
+    """``aten.dropout`` as eager PyTorch computes it (``at::native::dropout``), for the trace.
+
+    Outside CUDA-like devices eager does not call ``native_dropout``: it multiplies by a noise
+    tensor of the input's dtype (``bernoulli_(1-p)`` then ``div_(1-p)``), whose backward
+    multiplies by that noise.  AOTAutograd's decomposition calls ``native_dropout``, whose
+    backward multiplies by the scale in float: in bf16/fp16 the two round differently.
+    Float32 and float64 round alike, so they keep ``native_dropout`` (a 1-byte mask to save).
+    """
+    fused = input.device.type not in ("cpu", "meta") or input.dtype not in (torch.bfloat16, torch.float16)
+    if not train or p == 0 or fused:
+        return _AOT_DROPOUT(input, p, train)
+    if p == 1:
+        return input * torch.zeros_like(input)
+    noise = torch.empty_like(input).bernoulli_(1 - p)
+    noise.div_(1 - p)
+    return input * noise
+
+
+_AOT_DROPOUT = _decompositions.dropout
+_DROPOUT_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+
+
+@contextlib.contextmanager
+def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
+    """AOTAutograd traces the joint graph the way eager PyTorch runs the step, bit for bit.
+
+    - The backward is traced without autocast, as eager runs a ``loss.backward()`` called after
+      the ``torch.autocast`` block, or, with ``backward_autocast``, under the forward's autocast,
+      as eager runs one called inside it (the autograd engine carries the caller's autocast state).
+    - ``aten.dropout`` decomposes as eager computes it (:func:`_eager_dropout`).
+    """
+    op = torch.ops.aten.dropout.default
+    saved = {k: op.py_kernels.get(k) for k in _DROPOUT_KEYS}
+    try:
+        for k in _DROPOUT_KEYS:
+            op.py_kernels[k] = _eager_dropout
+        op._dispatch_cache.clear()
+        with torch._functorch.config.patch(backward_pass_autocast="same_as_forward" if backward_autocast else "off"):
+            yield
+    finally:
+        for k, fn in saved.items():
+            if fn is None:
+                op.py_kernels.pop(k, None)
+            else:
+                op.py_kernels[k] = fn
+        op._dispatch_cache.clear()
 
 
 def profiler_active() -> bool:

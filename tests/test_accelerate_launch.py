@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 from accelerate_helpers import AUTO_BUDGET, EXAMPLE, ILP_S, ROOT, clean_env
 
 from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.signature import describe
 
 
 @pytest.fixture(autouse=True)
@@ -74,6 +75,20 @@ def test_accelerate_launch_with_remat_budget_env(unmodified, tmp_path):
     ours = _launch(tmp_path, "env", [*_accelerate(), *MULTI], {"REMAT_BUDGET": str(budget),
                                                                "REMAT_ILP_TIME_LIMIT_S": "0.3"})
     _check_same_plan_same_losses_within_budget(ours, plain, budget)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_mixed_precision_bf16(tmp_path):
+    """accelerate launch --mixed_precision bf16 with REMAT_BUDGET (2 processes, float32 weights, dropout on): the
+    planned step runs inside Accelerate's autocast, losses equal the run without remat bitwise, every step
+    within the budget."""
+    bf16 = [*_accelerate(), "--mixed_precision", "bf16", *MULTI]
+    args = ["--cpu", "--dtype", "float32", "--steps", "3"]
+    plain = _launch(tmp_path, "plain", bf16, args=args)
+    budget = max(max(r["peaks"]) for r in plain) * 65 // 100
+    ours = _launch(tmp_path, "ours", bf16, {"REMAT_BUDGET": str(budget), "REMAT_ILP_TIME_LIMIT_S": "0.3"}, args=args)
+    _check_same_plan_same_losses_within_budget(ours, plain, budget)
+    assert "(autocast cpu bfloat16)" in describe(next(iter(ours[0]["plans"])))
 
 
 @pytest.mark.slow

@@ -18,7 +18,15 @@ from torch import nn
 
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.errors import CaptureError, RematError
-from remat_plugin.torch_private import BoxedCodeGen, aot_function, pytree, suspended_user_modes, without_donated_buffers
+from remat_plugin.torch_private import (
+    BoxedCodeGen,
+    any_autocast_enabled,
+    aot_function,
+    pytree,
+    suspended_user_modes,
+    traced_like_eager,
+    without_donated_buffers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +65,7 @@ class OutputUsage:
     n_outputs: int
     held: frozenset[int]  # still referenced (or a view of them is)
     graded: frozenset[int]  # a gradient reached them
+    backward_autocast: bool = False  # the backward ran inside a torch.autocast block
 
     @property
     def dropped(self) -> frozenset[int]:
@@ -67,15 +76,24 @@ class OutputUsage:
 class _OutputWatch:
     """One call's outputs, by weak reference to their storage's base tensor: a view the caller keeps keeps it."""
 
-    def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None]):
+    def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None],
+                 backward_autocast: bool):
         self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
         self.differentiable = differentiable
         self.record = record
+        self.backward_autocast = backward_autocast  # where the step's backward was traced for
 
     def seen(self, grads: tuple) -> None:
         graded = {i for i, g in zip(self.differentiable, grads) if g is not None}
         held = {i for i, ref in enumerate(self.refs) if ref() is not None}
-        self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded)))
+        autocast = any_autocast_enabled()  # the engine runs backward under the caller's autocast
+        if autocast != self.backward_autocast:
+            where = "inside" if autocast else "after"
+            log.warning("remat_plugin: backward() ran %s the torch.autocast block, where this step was traced for "
+                        "the other place; autocast changes the backward's casts, so this step's gradients may "
+                        "differ from eager PyTorch's in rounding. Its next call is traced for backward() %s "
+                        "the block", where, where)
+        self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast))
 
 
 class _WatchedOutputs(torch.autograd.Function):
@@ -105,12 +123,12 @@ class _WatchedOutputs(torch.autograd.Function):
         return (None, *grads)
 
 
-def _watched(outputs: tuple, record: Callable[[OutputUsage], None]) -> tuple:
+def _watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_autocast: bool) -> tuple:
     """``outputs`` with those that carry gradients routed through :class:`_WatchedOutputs`."""
     index = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not index:
         return outputs
-    watch = _OutputWatch(outputs, index, record)
+    watch = _OutputWatch(outputs, index, record, backward_autocast)
     wrapped = _WatchedOutputs.apply(watch, *(outputs[i] for i in index))
     out = list(outputs)
     for i, t in zip(index, wrapped):
@@ -129,12 +147,20 @@ class CompiledStep:
     out_constants: dict[int, Any] = field(default_factory=dict)
     out_tensor_positions: list[int] = field(default_factory=list)
     usage: OutputUsage | None = None  # of the latest call whose backward has begun
+    traced: bool = False
+    backward_autocast: bool = False  # trace the backward under the forward's autocast (traced_like_eager)
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        flat_out = self.fn(*self.params, *(leaves[i] for i in self.tensor_positions))
+        inputs = (*self.params, *(leaves[i] for i in self.tensor_positions))
+        if self.traced:
+            flat_out = self.fn(*inputs)
+        else:
+            with traced_like_eager(self.backward_autocast):  # the first call traces the joint graph
+                flat_out = self.fn(*inputs)
+            self.traced = True
         without_donated_buffers(flat_out)
-        flat_out = _watched(flat_out, self._record)
+        flat_out = _watched(flat_out, self._record, self.backward_autocast)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):
@@ -154,12 +180,14 @@ def build_step(
     emit: Callable[[JointGraph], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
     device: torch.device,
     dropped_outputs: frozenset[int] = frozenset(),
+    backward_autocast: bool = False,
 ) -> CompiledStep:
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
 
     ``emit`` receives the joint graph (where planning happens) and returns the forward and
     backward programs; AOTAutograd calls it as its partitioner.  ``dropped_outputs``: the
     flat tensor outputs the caller drops before backward (NOTE [dropped outputs]).
+    ``backward_autocast``: the caller runs ``backward()`` inside its ``torch.autocast`` block.
     """
     ep = export_module(module, args, kwargs)
     gm = ep.module()
@@ -168,7 +196,8 @@ def build_step(
     names = list(named)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions)  # type: ignore[arg-type]
+    step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
+                        backward_autocast=backward_autocast)
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))

@@ -16,6 +16,7 @@ NOTE [calibration]
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -27,7 +28,7 @@ from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PlannedStep
-from remat_plugin.torch_private import pytree, suspended_user_modes
+from remat_plugin.torch_private import autocast_disabled, pytree, suspended_user_modes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
         if not roots or not params:
             return False
         loss = next((t for t in roots if t.numel() == 1), None)
-        torch.autograd.grad(loss if loss is not None else roots[0].sum(), params, allow_unused=True)
+        # where the step's backward was traced for: after the caller's autocast block, or inside it
+        inside = getattr(step.run, "backward_autocast", False)
+        with contextlib.nullcontext() if inside else autocast_disabled():
+            torch.autograd.grad(loss if loss is not None else roots[0].sum(), params, allow_unused=True)
         return True
 
     try:

@@ -20,6 +20,13 @@ NOTE [output usage]
     output its plan frees is logged as a warning (that step ran with the output alive, over
     the plan by its size) and the next call re-plans with that output kept.
 
+    The steps also learn where ``backward()`` runs.  Eager autocast casts the backward's ops too when
+    ``backward()`` is called inside the ``torch.autocast`` block (Lightning's manual optimization does
+    so); steps are traced for a backward after the block (PyTorch's advice, Lightning's automatic
+    optimization, Accelerate) until one is seen inside it: that step is warned about (its gradients
+    may differ from eager's in rounding) and the steps are traced again for the other place.  Callers
+    that know beforehand set ``backward_autocast`` on the session.
+
 Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
 
 :class:`~remat_plugin.runtime.module.RematModule` and
@@ -95,6 +102,7 @@ class StepResolver:
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
         self.calibration = Calibration()
+        self.backward_autocast = False  # the caller's backward() runs inside its autocast block (NOTE [output usage])
 
     @property
     def current_plan(self) -> Plan | None:
@@ -148,7 +156,7 @@ class StepResolver:
         """A step running ``plan`` on this call: its schedule, or per-layer checkpointing for a fallback plan."""
         if plan.fallback:
             return fallback_step(self.module, call, plan)
-        step = replay_step(self.module, call, plan, budget_bytes)
+        step = replay_step(self.module, call, plan, budget_bytes, self.backward_autocast)
         self.n_replayed += 1
         return step
 
@@ -196,7 +204,8 @@ class StepResolver:
             step = plan_step(self.module, call, budget_bytes, ilp_time_limit_s=self.ilp_time_limit_s,
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
                              dropped_outputs=dropped_outputs,
-                             calibration_bytes=self.calibration.bytes_for(call.key))
+                             calibration_bytes=self.calibration.bytes_for(call.key),
+                             backward_autocast=self.backward_autocast)
             step.to_meter = True
             if now and not step.checked:
                 run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped
@@ -242,10 +251,22 @@ class StepResolver:
         usage = step.take_usage()
         if step.plan is None or step.plan.fallback:
             return step
+        if usage is not None and usage.backward_autocast != self.backward_autocast:
+            return self._rebuilt_for_backward_autocast(call, usage.backward_autocast, budget)
         dropped = self._dropped_outputs(call, step, usage)
         if dropped is None:
             return step
         step = self.steps[call.key] = self.solve(call, budget(), dropped_outputs=dropped, refine=True)
+        return step
+
+    def _rebuilt_for_backward_autocast(self, call: Call, inside: bool, budget: BudgetFn) -> PlannedStep:
+        """Steps traced for where the caller runs ``backward()``: inside or after its autocast block (the step
+        that showed it has warned)."""
+        log.info("remat_plugin: tracing the steps of %s again for backward() %s the autocast block",
+                 type(self.module).__name__, "inside" if inside else "after")
+        self.backward_autocast = inside
+        self.steps.clear()  # the plans stay: a replay whose graph differs is planned again
+        step = self.steps[call.key] = self.new_step(call, budget())
         return step
 
     def _dropped_outputs(self, call: Call, step: PlannedStep, usage: OutputUsage | None) -> frozenset[int] | None:

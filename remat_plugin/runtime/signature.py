@@ -2,7 +2,7 @@
 
 A :class:`Signature` is what a plan depends on: the pytree layout of the call, per leaf its
 shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), train and grad
-mode, and the module's state: the names, shapes and dtypes of its parameters and buffers and
+mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the module's state: the names, shapes and dtypes of its parameters and buffers and
 which parameters require gradients (unfreezing a layer or adding an adapter is a new graph).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
 
 Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean inputs: token
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from remat_plugin.torch_private import pytree
+from remat_plugin.torch_private import autocast_state, pytree
 
 BucketPolicy = str | int | None  # "pow2", a multiple such as 64, or None (exact lengths)
 
@@ -42,6 +42,7 @@ class Signature:
     training: bool
     grad_enabled: bool
     state: str = ""  # fingerprint of the module's parameters and buffers (module_state)
+    autocast: tuple[tuple[str, str, bool], ...] = ()  # per enabled device type: (device, dtype, cache_enabled)
 
     @classmethod
     def of(cls, module: nn.Module, args: tuple, kwargs: dict, state: str | None = None) -> Signature:
@@ -53,24 +54,28 @@ class Signature:
         ]
         if state is None:
             state = module_state(module)[0]
-        return cls(str(spec), tuple(desc), bool(module.training), bool(torch.is_grad_enabled()), state)
+        return cls(str(spec), tuple(desc), bool(module.training), bool(torch.is_grad_enabled()), state,
+                   autocast_state())
 
     @property
     def key(self) -> str:
         """A stable string for this signature (JSON)."""
         leaves = [x if isinstance(x, str) else [list(x[0]), x[1], x[2], x[3]] for x in self.leaves]
-        return json.dumps([self.layout, leaves, self.training, self.grad_enabled, self.state], separators=(",", ":"))
+        return json.dumps([self.layout, leaves, self.training, self.grad_enabled, self.state,
+                           [list(a) for a in self.autocast]], separators=(",", ":"))
 
     @classmethod
     def from_key(cls, key: str) -> Signature:
-        layout, leaves, training, grad, *state = json.loads(key)  # keys written before the state have none
+        layout, leaves, training, grad, *rest = json.loads(key)  # older keys lack the state and autocast
+        state = rest[0] if rest else ""
+        autocast = tuple(tuple(a) for a in rest[1]) if len(rest) > 1 else ()
         return cls(layout, tuple(x if isinstance(x, str) else (tuple(x[0]), x[1], x[2], x[3]) for x in leaves),
-                   training, grad, state[0] if state else "")
+                   training, grad, state, autocast)  # type: ignore[arg-type]
 
     def covers(self, small: Signature) -> bool:
         """Whether a plan for ``self`` serves ``small``: same layout, dtypes and modes, no dimension larger."""
-        if (self.layout, self.training, self.grad_enabled, self.state) != (
-                small.layout, small.training, small.grad_enabled, small.state):
+        if (self.layout, self.training, self.grad_enabled, self.state, self.autocast) != (
+                small.layout, small.training, small.grad_enabled, small.state, small.autocast):
             return False
         if len(self.leaves) != len(small.leaves):
             return False
@@ -92,7 +97,10 @@ class Signature:
         """For people: the tensor inputs' shapes and dtypes (``8x128 int64, 8x128 int64``)."""
         parts = ["x".join(map(str, x[0])) + " " + x[1].removeprefix("torch.") for x in self.leaves
                  if not isinstance(x, str)]
-        return ", ".join(parts) or "no tensors"
+        text = ", ".join(parts) or "no tensors"
+        for device, dtype, _ in self.autocast:
+            text += f" (autocast {device} {dtype.removeprefix('torch.')})"
+        return text
 
 
 def describe(key: str) -> str:

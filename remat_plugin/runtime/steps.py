@@ -113,12 +113,14 @@ def measured_problem(joint: JointGraph, device: torch.device, progress=None,
 def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,
               caches: PlanningCaches, progress=None, find_floor: bool = True,
               on_plan: Callable[[PlannedStep], None] | None = None,
-              dropped_outputs: frozenset[int] = frozenset(), calibration_bytes: int = 0) -> PlannedStep:
+              dropped_outputs: frozenset[int] = frozenset(), calibration_bytes: int = 0,
+              backward_autocast: bool = False) -> PlannedStep:
     """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
 
     ``dropped_outputs``: flat tensor outputs the caller drops before backward, freed once returned
     (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`).  ``calibration_bytes``: kept back from
-    the budget for what a metered step showed the model misses (NOTE [calibration]).
+    the budget for what a metered step showed the model misses (NOTE [calibration]).  ``backward_autocast``:
+    the caller's ``backward()`` runs inside its autocast block (:func:`~remat_plugin.torch_private.traced_like_eager`).
 
     Models ``torch.export`` cannot capture fall back to per-layer checkpointing when they have
     a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
@@ -146,7 +148,8 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     if progress is not None:
         progress.stage("capture")
     try:
-        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs)
+        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs,
+                              backward_autocast)
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)
         step.checked = True
@@ -190,7 +193,8 @@ def _checkpointed_run(module: nn.Module, layers: list[nn.Module]) -> Callable[[t
     return run
 
 
-def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) -> PlannedStep:
+def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
+                backward_autocast: bool = False) -> PlannedStep:
     """A step running ``plan``'s schedule on this call; its first call raises :class:`PlanMismatch`
     (before running anything) if the graph differs or the schedule would exceed ``budget_bytes``."""
     if plan.fallback or not plan.graph_key:
@@ -215,7 +219,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int) ->
         return emit_programs(joint, Schedule(plan.schedule))
 
     step.run = build_step(module, call.args, call.kwargs, check_and_emit, call.device,
-                          frozenset(plan.dropped_outputs))
+                          frozenset(plan.dropped_outputs), backward_autocast)
     return step
 
 

@@ -1,0 +1,47 @@
+"""AutoRemat in a real ``Trainer.fit`` under Lightning's precision settings, against the same runs without it."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from remat_plugin.errors import RematError
+from remat_plugin.integrations.lightning import AutoRemat
+from remat_plugin.runtime.signature import describe
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from lightning_gpt2 import StepRecorder, load_options, train
+
+TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_size=500", "model.n_positions=256",
+        "data.batch_size=4", "data.seq_lens=[128]", "data.batches_per_len=4", "trainer.max_steps=4"]
+
+
+def _run(precision, budget=None):
+    recorder = StepRecorder()
+    auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2) if budget is not None else None
+    callbacks = [auto, recorder] if auto is not None else [recorder]
+    trainer, _ = train(load_options(None, [*TINY, f"trainer.precision={precision}"]), callbacks)
+    return recorder, auto, trainer
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_fit_losses_bitwise_and_every_step_within_budget(precision):
+    """Dropout on: every loss equals the run without AutoRemat, bitwise; every step within half its peak."""
+    plain, _, _ = _run(precision)
+    budget = max(plain.peaks) // 2
+    ours, auto, _ = _run(precision, budget)
+    assert ours.losses == plain.losses, (ours.losses, plain.losses)
+    assert max(ours.peaks) <= budget, (ours.peaks, budget)
+    plan = auto.session.plan
+    assert any(b.mode != "keep" for b in plan.blocks)
+    assert ("autocast cpu bfloat16" in describe(plan.signature)) == (precision == "bf16-mixed")
+
+
+def test_unsupported_precision_is_refused_at_setup():
+    auto = AutoRemat(budget="100MiB")
+    with pytest.raises(RematError, match="precision 'transformer-engine' is not supported.*bf16-mixed"):
+        auto.check_precision("transformer-engine")

@@ -18,7 +18,7 @@ place and removing it gives exactly that back.  Planning captures the module wit
 
 Options come from arguments, a :class:`RematPlugin`, or the environment (``REMAT_BUDGET``,
 ``REMAT_SEQ_BUCKET``, ``REMAT_CACHE_DIR``, ``REMAT_ILP_TIME_LIMIT_S``, ``REMAT_AUTO_BATCH_SIZE``,
-``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``, ``REMAT_VERBOSE``:
+``REMAT_BATCH_MULTIPLE_OF``, ``REMAT_MAX_BATCH_SIZE``, ``REMAT_VERBOSE``, ``REMAT_COMPILE``:
 :data:`~remat_plugin.runtime.config.ENV_VARIABLES`),
 in that order, into one :class:`~remat_plugin.runtime.config.RematConfig`, which checks them.  With no
 budget anywhere, :func:`prepare` is plain ``accelerator.prepare(model)``.
@@ -71,6 +71,7 @@ from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import OptionError, RematError
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import ENV_VARIABLES, ConfigError, RematConfig, env_texts
 from remat_plugin.runtime.dist import is_rank_zero
 from remat_plugin.runtime.optimizer_state import unwrap
@@ -113,6 +114,8 @@ class RematPlugin:
     max_val: int | None = None
     # Progress bar and one line per new plan (REMAT_VERBOSE); None: True.
     verbose: bool | None = None
+    # Run the planned step as inductor kernels (REMAT_COMPILE); None: False.
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         explicit = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
@@ -249,7 +252,7 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     """``accelerator.prepare(model)`` with a :class:`RematHook` on the underlying module.
 
     ``budget`` and ``options`` (``seq_bucket``, ``cache_dir``, ``ilp_time_limit_s``,
-    ``auto_batch_size``, ``multiple_of``, ``max_val``, ``verbose``) win over ``plugin``, whose unset fields
+    ``auto_batch_size``, ``multiple_of``, ``max_val``, ``verbose``, ``compile``) win over ``plugin``, whose unset fields
     come from ``REMAT_*`` variables.  Without a budget from any of them this is exactly
     ``accelerator.prepare(model)``.  Prepare the optimizer as usual, before or after: its state
     still to be created is taken out of the budget when the plan is made.  It returns only the
@@ -275,6 +278,7 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     if not _avoid_double_checkpointing(model):
         return accelerator.prepare(model)
 
+    refuse_compiled(model, "REMAT_COMPILE=1 (or prepare(..., compile=True))")
     prepared = accelerator.prepare(model)
     target = extract_model_from_parallel(prepared, keep_torch_compile=False)
     hook = RematHook(config, optimizers=lambda: _optimizers_of(accelerator, target),
@@ -314,8 +318,8 @@ def _check_supported(accelerator: Accelerator) -> None:
                          f"use one of {', '.join(SUPPORTED_MIXED_PRECISION)}, or unset {_BUDGET_ENV}.")
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
         raise RematError("remat_plugin.accelerate: the Accelerator compiles the model (dynamo_backend "
-                         f"{accelerator.state.dynamo_plugin.backend.value}); remat_plugin runs its own planned "
-                         f"programs. Use dynamo_backend='no', or unset {_BUDGET_ENV}.")
+                         f"{accelerator.state.dynamo_plugin.backend.value}), which would run it without the plan; "
+                         "use dynamo_backend='no' and REMAT_COMPILE=1 (or compile=True) to compile the planned step")
 
 
 def _avoid_double_checkpointing(model: nn.Module) -> bool:

@@ -15,6 +15,7 @@ are refused at setup.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import OptionError, RematError, human_bytes
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
+from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.forward_swap import ForwardSwap
 from remat_plugin.runtime.session import RematSession
@@ -101,11 +103,11 @@ class AutoRemat(pl.Callback):
     def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
                  cache_dir: str | None = None, ilp_time_limit_s: float = 0.5, auto_batch_size: bool | str = False,
                  batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None,
-                 verbose: bool = True):
+                 verbose: bool = True, compile: bool = False):
         try:  # every option is checked now, not at the first batch
             self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
                                       ilp_time_limit_s=ilp_time_limit_s, auto_batch_size=auto_batch_size,
-                                      multiple_of=multiple_of, max_val=max_val, verbose=verbose)
+                                      multiple_of=multiple_of, max_val=max_val, verbose=verbose, compile=compile)
         except OptionError as exc:
             raise exc.restated(stage="AutoRemat") from None
         self.module_name = module
@@ -167,6 +169,10 @@ class AutoRemat(pl.Callback):
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_precision(trainer.precision)
         name, target = pick_target(pl_module, self.module_name)
+        refuse_compiled(target, "AutoRemat(compile=True)")
+        if getattr(pl_module, "_compiler_ctx", None) and target is pl_module:  # trainer.fit(torch.compile(module))
+            raise RematError("AutoRemat: the LightningModule was passed to fit wrapped in torch.compile, which would "
+                             "run it without the plan; pass it uncompiled and use AutoRemat(compile=True)")
         shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
         self._info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
                    f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {_shown(self.config.budget)}")
@@ -178,8 +184,9 @@ class AutoRemat(pl.Callback):
         if self._stored_state is not None:
             self.session.load_state_dict(self._stored_state)
         # Manual optimization calls manual_backward inside training_step, inside Lightning's autocast block.
-        self.session.resolver.backward_autocast = (not pl_module.automatic_optimization
-                                                   and str(trainer.precision).endswith("-mixed"))
+        inside = not pl_module.automatic_optimization and str(trainer.precision).endswith("-mixed")
+        self.session.resolver.execution = dataclasses.replace(self.session.resolver.execution,
+                                                              backward_autocast=inside)
         self._swap = ForwardSwap(target, self.session.dispatcher)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

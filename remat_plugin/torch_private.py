@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -55,9 +56,11 @@ __all__ = [
     "aot_function",
     "autocast_disabled",
     "autocast_state",
+    "compile_segment",
     "extract_fwd_bwd_outputs",
     "extract_graph_with_inputs_outputs",
     "in_backward",
+    "is_compiled_module",
     "is_primal",
     "is_tangent",
     "make_graph_module",
@@ -134,6 +137,32 @@ def autocast_state() -> tuple[tuple[str, str, bool], ...]:
         if torch.is_autocast_enabled(device):
             state.append((device, str(torch.get_autocast_dtype(device)), bool(torch.is_autocast_cache_enabled())))
     return tuple(state)
+
+
+def compile_segment(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
+    """Inductor kernels for ``gm``, a graph of aten ops whose placeholders carry fake values; called boxed.
+
+    ``compile_fx_inner`` is what ``torch.compile`` runs on each graph after AOTAutograd has
+    partitioned it: it neither partitions nor recomputes.  The graph is first decomposed with
+    inductor's table, as AOTAutograd would have done for it.
+    """
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    fake_mode = detect_fake_mode(example)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*example)
+    decomposed.graph.set_codegen(torch.fx.graph.CodeGen())  # flat arguments and outputs, as inductor expects
+    decomposed.recompile()
+    return compile_fx_inner(decomposed, example)
+
+
+def is_compiled_module(module: object) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``) around a module."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
 def any_autocast_enabled() -> bool:

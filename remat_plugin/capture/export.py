@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
@@ -136,6 +137,17 @@ def _watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_aut
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How a step's programs are traced and run; the plan (what is kept, what recomputed) is the same."""
+
+    backward_autocast: bool = False  # the caller's backward() runs inside its autocast block (traced_like_eager)
+    compile: bool = False  # the programs run as inductor kernels (NOTE [compiled programs])
+
+
+EAGER = ExecutionOptions()
+
+
 @dataclass
 class CompiledStep:
     """One input signature's planned function; call it with the user's args/kwargs."""
@@ -149,6 +161,7 @@ class CompiledStep:
     usage: OutputUsage | None = None  # of the latest call whose backward has begun
     traced: bool = False
     backward_autocast: bool = False  # trace the backward under the forward's autocast (traced_like_eager)
+    programs: list[Callable] = field(default_factory=list)  # the forward and backward programs, once traced
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -180,14 +193,14 @@ def build_step(
     emit: Callable[[JointGraph], tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
     device: torch.device,
     dropped_outputs: frozenset[int] = frozenset(),
-    backward_autocast: bool = False,
+    options: ExecutionOptions = EAGER,
 ) -> CompiledStep:
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
 
     ``emit`` receives the joint graph (where planning happens) and returns the forward and
     backward programs; AOTAutograd calls it as its partitioner.  ``dropped_outputs``: the
     flat tensor outputs the caller drops before backward (NOTE [dropped outputs]).
-    ``backward_autocast``: the caller runs ``backward()`` inside its ``torch.autocast`` block.
+    ``options``: where the caller runs ``backward()``, and whether the programs are compiled.
     """
     ep = export_module(module, args, kwargs)
     gm = ep.module()
@@ -197,7 +210,7 @@ def build_step(
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
-                        backward_autocast=backward_autocast)
+                        backward_autocast=options.backward_autocast)
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))
@@ -223,17 +236,21 @@ def build_step(
         joint.real_inputs = {n.name: t for n, t in zip(primals, flat_inputs)}
         return emit(joint)
 
-    def boxed(gm_, _example):
-        # Boxed calling convention: the program receives the argument list and clears it,
-        # so each saved tensor dies after its last use instead of at the end of backward.
-        gm_.graph.set_codegen(BoxedCodeGen())
-        gm_.recompile()
+    def boxed(gm_, example):
+        if options.compile:
+            program: Callable = compile_program(gm_, example)
+        else:
+            # Boxed calling convention: the program receives the argument list and clears it,
+            # so each saved tensor dies after its last use instead of at the end of backward.
+            gm_.graph.set_codegen(BoxedCodeGen())
+            gm_.recompile()
 
-        def run(args: list):
-            return gm_(args)
+            def program(args: list):
+                return gm_(args)
 
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+            program._boxed_call = True  # type: ignore[attr-defined]
+        step.programs.append(program)
+        return program
 
     # enable_log=False: AOTAutograd would otherwise print the whole joint and fw/bw graphs to strings for its
     # structured log at every capture (0.3-0.7 s on a 4-16-layer Llama), whether or not anyone reads the log.

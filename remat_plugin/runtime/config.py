@@ -30,6 +30,7 @@ ENV_VARIABLES = {
     "multiple_of": "REMAT_BATCH_MULTIPLE_OF",
     "max_val": "REMAT_MAX_BATCH_SIZE",
     "verbose": "REMAT_VERBOSE",
+    "compile": "REMAT_COMPILE",
 }
 AUTO_BATCH_MODES = ("max", "throughput")
 
@@ -68,6 +69,9 @@ class RematConfig:
     # A progress bar on a terminal and one INFO line per new plan, shown without any logging set-up; False: only
     # warnings (a 15 s first step otherwise looks like a hang).
     verbose: bool = True
+    # Run the planned forward and backward as inductor kernels (our schedule decides what is kept; inductor
+    # fuses inside it).  The way to have both remat and compiled kernels: a torch.compile'd model is refused.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         parse_budget(self.budget)  # raises BudgetFormatError naming the accepted forms
@@ -98,6 +102,8 @@ class RematConfig:
                                      f"multiple_of ({self.multiple_of})")
         if not isinstance(self.verbose, bool):
             raise ConfigError(option="verbose", value=self.verbose, reason=f"verbose {self.verbose!r} is not True or False")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(option="compile", value=self.compile, reason=f"compile {self.compile!r} is not True or False")
 
     @classmethod
     def check_names(cls, names: Iterable[str], stage: str = "remat_plugin") -> None:
@@ -181,7 +187,7 @@ def _from_text(name: str, text: str) -> Any:
             return low
         raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted=_AUTO_TEXTS,
                           fix=_unset_fix(name))
-    if name == "verbose":
+    if name in ("verbose", "compile"):
         if low in _ON or low in _OFF:
             return low in _ON
         raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted="1, true or yes (on), or 0, "

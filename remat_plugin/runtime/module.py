@@ -12,6 +12,7 @@ from torch import nn
 from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Problem
 from remat_plugin.runtime.budget import parse_budget
+from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
@@ -37,14 +38,15 @@ class RematModule(nn.Module):
     _resolver: StepResolver  # likewise, so nn.Module does not look into it
 
     def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5, *,
-                 caches: PlanningCaches | None = None, verbose: bool = True):
+                 caches: PlanningCaches | None = None, verbose: bool = True, compile: bool = False):
+        refuse_compiled(original, "rematerialize(module, ..., compile=True)")
         super().__init__()
         object.__setattr__(self, "original", original)
         self.budget = budget
         self.ilp_time_limit_s = ilp_time_limit_s
         object.__setattr__(self, "_resolver", StepResolver(
             original, PlanStore(original), caches or PROCESS_CACHES, ilp_time_limit_s=ilp_time_limit_s,
-            find_floor=True, plan_lazily=True, verbose=verbose))
+            find_floor=True, plan_lazily=True, verbose=verbose, compile=compile))
         self.training = original.training
 
     # --- the original's state, unchanged -------------------------------------------------
@@ -125,6 +127,7 @@ def rematerialize(
     *,
     ilp_time_limit_s: float = 0.5,
     verbose: bool = True,
+    compile: bool = False,
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 
@@ -133,8 +136,10 @@ def rematerialize(
     allocated at step start.  Raises :class:`~remat_plugin.errors.InfeasibleBudgetError`
     with the smallest feasible budget when nothing fits.  Planning shows a progress bar on a
     terminal and logs one summary line, on stderr when logging is not configured;
-    ``verbose=False`` keeps it quiet (warnings still show).
+    ``verbose=False`` keeps it quiet (warnings still show).  ``compile=True`` runs the planned
+    programs as inductor kernels (NOTE [compiled programs] in :mod:`remat_plugin.capture.compiled_programs`);
+    a module already wrapped in ``torch.compile`` is refused: pass the module itself with ``compile=True``.
     """
-    rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose)
+    rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose, compile=compile)
     rm.prepare(tuple(args), dict(kwargs or {}))
     return rm

@@ -25,7 +25,7 @@ NOTE [output usage]
     so); steps are traced for a backward after the block (PyTorch's advice, Lightning's automatic
     optimization, Accelerate) until one is seen inside it: that step is warned about (its gradients
     may differ from eager's in rounding) and the steps are traced again for the other place.  Callers
-    that know beforehand set ``backward_autocast`` on the session.
+    that know beforehand set it in the resolver's ``execution`` options.
 
 Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
 
@@ -35,13 +35,14 @@ Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from remat_plugin.capture.export import OutputUsage
+from remat_plugin.capture.export import ExecutionOptions, OutputUsage
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.calibration import Calibration, metered_step
@@ -82,7 +83,7 @@ class StepResolver:
     def __init__(self, module: nn.Module, store: PlanStore, caches: PlanningCaches, *, ilp_time_limit_s: float,
                  seq_bucket: BucketPolicy = None, find_floor: bool = False, plan_lazily: bool = False,
                  verbose: bool = False, report: Callable[[str], None] = announce,
-                 on_new_plan: Callable[[Plan], None] | None = None):
+                 on_new_plan: Callable[[Plan], None] | None = None, compile: bool = False):
         self.module = module
         self.store = store
         self.caches = caches
@@ -102,7 +103,7 @@ class StepResolver:
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
         self.calibration = Calibration()
-        self.backward_autocast = False  # the caller's backward() runs inside its autocast block (NOTE [output usage])
+        self.execution = ExecutionOptions(compile=compile)  # backward_autocast: learned (NOTE [output usage])
 
     @property
     def current_plan(self) -> Plan | None:
@@ -156,7 +157,7 @@ class StepResolver:
         """A step running ``plan`` on this call: its schedule, or per-layer checkpointing for a fallback plan."""
         if plan.fallback:
             return fallback_step(self.module, call, plan)
-        step = replay_step(self.module, call, plan, budget_bytes, self.backward_autocast)
+        step = replay_step(self.module, call, plan, budget_bytes, self.execution)
         self.n_replayed += 1
         return step
 
@@ -205,7 +206,7 @@ class StepResolver:
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
                              dropped_outputs=dropped_outputs,
                              calibration_bytes=self.calibration.bytes_for(call.key),
-                             backward_autocast=self.backward_autocast)
+                             options=self.execution)
             step.to_meter = True
             if now and not step.checked:
                 run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped
@@ -251,7 +252,7 @@ class StepResolver:
         usage = step.take_usage()
         if step.plan is None or step.plan.fallback:
             return step
-        if usage is not None and usage.backward_autocast != self.backward_autocast:
+        if usage is not None and usage.backward_autocast != self.execution.backward_autocast:
             return self._rebuilt_for_backward_autocast(call, usage.backward_autocast, budget)
         dropped = self._dropped_outputs(call, step, usage)
         if dropped is None:
@@ -264,7 +265,7 @@ class StepResolver:
         that showed it has warned)."""
         log.info("remat_plugin: tracing the steps of %s again for backward() %s the autocast block",
                  type(self.module).__name__, "inside" if inside else "after")
-        self.backward_autocast = inside
+        self.execution = dataclasses.replace(self.execution, backward_autocast=inside)
         self.steps.clear()  # the plans stay: a replay whose graph differs is planned again
         step = self.steps[call.key] = self.new_step(call, budget())
         return step

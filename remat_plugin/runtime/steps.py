@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.estimated_costs import estimate_costs
-from remat_plugin.capture.export import OutputUsage, build_step
+from remat_plugin.capture.export import EAGER, ExecutionOptions, OutputUsage, build_step
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops
 from remat_plugin.capture.programs import emit_programs
@@ -84,6 +84,10 @@ class PlannedStep:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         return self.run(args, kwargs)
 
+    def compiled_programs(self) -> list[Callable]:
+        """The forward and backward programs its first call built (inductor segments under ``compile=True``)."""
+        return list(getattr(self.run, "programs", ()))
+
     def take_usage(self) -> OutputUsage | None:
         """What the caller did with the outputs of the latest call whose backward began (once; None if unseen)."""
         usage = getattr(self.run, "usage", None)
@@ -114,13 +118,13 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
               caches: PlanningCaches, progress=None, find_floor: bool = True,
               on_plan: Callable[[PlannedStep], None] | None = None,
               dropped_outputs: frozenset[int] = frozenset(), calibration_bytes: int = 0,
-              backward_autocast: bool = False) -> PlannedStep:
+              options: ExecutionOptions = EAGER) -> PlannedStep:
     """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
 
     ``dropped_outputs``: flat tensor outputs the caller drops before backward, freed once returned
     (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`).  ``calibration_bytes``: kept back from
-    the budget for what a metered step showed the model misses (NOTE [calibration]).  ``backward_autocast``:
-    the caller's ``backward()`` runs inside its autocast block (:func:`~remat_plugin.torch_private.traced_like_eager`).
+    the budget for what a metered step showed the model misses (NOTE [calibration]).  ``options``: where the
+    caller runs ``backward()`` and whether the programs are compiled (:class:`ExecutionOptions`).
 
     Models ``torch.export`` cannot capture fall back to per-layer checkpointing when they have
     a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
@@ -148,8 +152,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     if progress is not None:
         progress.stage("capture")
     try:
-        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs,
-                              backward_autocast)
+        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs, options)
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)
         step.checked = True
@@ -194,7 +197,7 @@ def _checkpointed_run(module: nn.Module, layers: list[nn.Module]) -> Callable[[t
 
 
 def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
-                backward_autocast: bool = False) -> PlannedStep:
+                options: ExecutionOptions = EAGER) -> PlannedStep:
     """A step running ``plan``'s schedule on this call; its first call raises :class:`PlanMismatch`
     (before running anything) if the graph differs or the schedule would exceed ``budget_bytes``."""
     if plan.fallback or not plan.graph_key:
@@ -219,7 +222,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
         return emit_programs(joint, Schedule(plan.schedule))
 
     step.run = build_step(module, call.args, call.kwargs, check_and_emit, call.device,
-                          frozenset(plan.dropped_outputs), backward_autocast)
+                          frozenset(plan.dropped_outputs), options)
     return step
 
 

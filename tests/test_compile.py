@@ -1,0 +1,60 @@
+"""``compile=True``: our planned programs run as inductor kernels (NOTE [compiled programs]), and a model the
+user compiled is refused with the way to have both."""
+import pytest
+import torch
+from budgets import settle
+
+from remat_plugin import rematerialize
+from remat_plugin.bench.models import build
+from remat_plugin.capture.memory_meter import measure_peak_profiler
+from remat_plugin.errors import RematError
+from remat_plugin.runtime.config import ConfigError, RematConfig
+
+MODELS = {"gpt2-tiny": {"n_layer": 2, "batch_size": 4, "seq_len": 128},
+          "bert-tiny": {"n_layer": 2, "batch_size": 4, "seq_len": 128}}
+
+
+def _step(module, bench, batch):
+    args, kwargs = batch
+    for p in bench.module.parameters():
+        p.grad = None
+    torch.manual_seed(11)
+    loss = bench.loss(module(*args, **kwargs))
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_compiled_plan_matches_eager_and_stays_under_budget(name):
+    """Dropout on, half the unmodified peak: inductor kernels run our schedule (random ops stay eager, on the
+    caller's generator), gradients within 1e-5 of eager, the allocator's peak within the budget."""
+    bench = build(name, seed=0, **MODELS[name])
+    batch = bench.make_batch(0)
+    loss_ref = _step(bench.module, bench, batch)
+    grads_ref = [p.grad.clone() for p in bench.module.parameters()]
+    plan = rematerialize(bench.module, *batch, budget=10**12, verbose=False).plan
+    budget = (plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2
+    rm = rematerialize(bench.module, *batch, budget=budget, compile=True, verbose=False)
+    assert any(b.n_recomputed_ops for b in rm.plan.blocks)
+    settle(lambda: _step(rm, bench, batch))
+    programs = [getattr(f, "n_compiled", 0) for f in rm.steps[rm.plan.signature].compiled_programs()]
+    assert len(programs) == 2 and all(n > 0 for n in programs), programs
+    loss = _step(rm, bench, batch)
+    assert torch.allclose(loss, loss_ref, rtol=0, atol=1e-5), (loss, loss_ref)
+    for p, g in zip(bench.module.parameters(), grads_ref):
+        assert torch.allclose(p.grad, g, rtol=0, atol=1e-5), (p.grad - g).abs().max()
+    measured = measure_peak_profiler(lambda: _step(rm, bench, batch))[1]
+    assert measured <= budget, (measured, budget)
+
+
+def test_a_compiled_model_is_refused_naming_compile_true():
+    bench = build("mlp-chain", seed=0)
+    with pytest.raises(RematError, match=r"torch\.compile.*compile=True"):
+        rematerialize(torch.compile(bench.module), *bench.make_batch(0), budget="1GB")
+
+
+def test_remat_compile_variable():
+    assert RematConfig.from_env({"REMAT_COMPILE": "1"}).compile is True
+    assert RematConfig.from_env({"REMAT_COMPILE": "no"}).compile is False
+    with pytest.raises(ConfigError, match="REMAT_COMPILE"):
+        RematConfig.from_env({"REMAT_COMPILE": "maybe"})

@@ -12,7 +12,8 @@ PYTEST := -m pytest -q -n 2
 # files (model families, plan quality, launches, CLI, benchmarks, examples) run on torch 2.13 only.
 CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs_table.py tests/test_session.py \
 	tests/test_memory.py tests/test_layers.py tests/test_training_loop.py tests/test_lightning.py \
-	tests/test_accelerate_hook.py tests/test_ddp.py tests/test_rank_agreement.py
+	tests/test_accelerate_hook.py tests/test_ddp.py tests/test_rank_agreement.py tests/test_mixed_precision.py \
+	tests/test_compile.py
 
 .venv/ready: pyproject.toml
 	python3 -m venv .venv

@@ -1,6 +1,7 @@
 """AutoRemat in a real ``Trainer.fit`` under Lightning's precision settings, against the same runs without it."""
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from remat_plugin.runtime.signature import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+import lightning_gpt2
 from lightning_gpt2 import StepRecorder, load_options, train
 
 TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_size=500", "model.n_positions=256",
@@ -39,6 +41,34 @@ def test_bf16_fit_losses_bitwise_and_every_step_within_budget(precision):
     plan = auto.session.plan
     assert any(b.mode != "keep" for b in plan.blocks)
     assert ("autocast cpu bfloat16" in describe(plan.signature)) == (precision == "bf16-mixed")
+
+
+class ManualGPT2Lit(lightning_gpt2.GPT2Lit):
+    """Manual optimization: manual_backward runs inside training_step, inside Lightning's autocast block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.manual_backward(loss)
+        optimizer.step()
+        return {"loss": loss.detach()}
+
+
+def test_manual_optimization_bf16_mixed_traces_backward_inside_autocast(monkeypatch, caplog):
+    """With manual optimization the backward runs inside the autocast block; AutoRemat tells the session so
+    from the first step: losses equal the run without AutoRemat bitwise, and no step is warned about."""
+    monkeypatch.setattr(lightning_gpt2, "GPT2Lit", ManualGPT2Lit)
+    plain, _, _ = _run("bf16-mixed")
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        ours, auto, _ = _run("bf16-mixed", max(plain.peaks) // 2)
+    assert ours.losses == plain.losses, (ours.losses, plain.losses)
+    assert auto.session.resolver.execution.backward_autocast
+    assert "backward() ran" not in caplog.text
 
 
 def test_unsupported_precision_is_refused_at_setup():

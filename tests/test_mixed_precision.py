@@ -173,3 +173,51 @@ def test_fp16_autocast_with_grad_scaler_scales_unscales_and_skips_inf_steps():
     assert ours == plain, (ours, plain)
     assert plain[0][1] > 0 and plain[-1][1] == 0, plain  # overflowed steps were skipped, later ones taken
     assert all(torch.equal(a, b) for a, b in zip(weights, weights_ours))
+
+
+class Fp32Island(torch.nn.Module):
+    """A model that turns autocast off for part of its forward (as Llama's rotary tables and many attention
+    softmaxes do) and on again with another dtype for another part."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        self.fp16_layer = torch.nn.Linear(64, 64)  # its own weight: eager's cast cache keeps one dtype per weight
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = self.drop(torch.nn.functional.gelu(layer(x)))
+            if i == 1:
+                with torch.autocast("cpu", enabled=False):
+                    x = torch.softmax(x.float() @ x.float().t(), dim=-1) @ x.float()
+            if i == 2:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    x = self.fp16_layer(x)
+        return x.float().square().mean()
+
+
+def test_autocast_changed_inside_the_forward_is_captured_as_it_runs():
+    """Regions that turn autocast off, or switch its dtype, inside the forward: captured as they run, bitwise
+    equal to eager at a budget that recomputes."""
+    torch.manual_seed(0)
+    model, x = Fp32Island(), torch.randn(256, 64)
+
+    def step(module):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(2)
+        with torch.autocast(**BF16):
+            loss = module(x)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss_ref, grads_ref = step(model)
+    with torch.autocast(**BF16):
+        plan = rematerialize(model, (x,), {}, budget=10**12, verbose=False).plan
+        rm = rematerialize(model, (x,), {}, budget=(plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2,
+                           verbose=False)
+    assert any(b.n_recomputed_ops for b in rm.plan.blocks)
+    settle(lambda: step(rm))
+    loss, grads = step(rm)
+    _assert_bitwise(loss, grads, loss_ref, grads_ref, "autocast regions")

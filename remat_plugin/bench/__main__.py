@@ -160,6 +160,8 @@ def parse_compare_args(argv: list[str]) -> argparse.Namespace:
                         help="torch.compile activation_memory_budget values")  # fmt: skip
     parser.add_argument("--backend", default=None, help="torch.compile backend (default: aot_eager on CPU, inductor on CUDA)")
     parser.add_argument("--no-match", action="store_true", help="do not plan ours at each peer's measured peak")
+    parser.add_argument("--ours-inductor", action="store_true",
+                        help="also run ours with compile=True (inductor kernels) at --budgets and torch.compile's peaks")
     parser.add_argument("--timeline-budget", type=float, default=0.4,
                         help="the timeline shows ours at the feasible budget nearest this fraction")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before running")
@@ -199,6 +201,7 @@ def compare_main(argv: list[str]) -> int:
     settings = CompareSettings(
         models=tuple(args.models), device=args.device, dtype=args.dtype, pairs=args.pairs,
         fractions=tuple(args.budgets), amb_ratios=tuple(args.amb_ratios), backend=args.backend,
+        ours_inductor=args.ours_inductor,
         match_peers=not args.no_match, timeline_fraction=args.timeline_budget, seed=args.seed,
     )  # fmt: skip
     t0 = time.perf_counter()

@@ -85,6 +85,7 @@ class CompareSettings:
     amb_ratios: tuple[float, ...] = (1.0, 0.7, 0.5, 0.3)  # torch.compile activation_memory_budget values
     backend: str | None = None  # torch.compile backend; None: inductor on CUDA, aot_eager on CPU
     match_peers: bool = True  # also plan ours at each peer's measured peak
+    ours_inductor: bool = False  # also ours with compile=True ("ours+inductor") at our fractions and compile's peaks
     timeline_fraction: float = 0.4  # the timeline shows ours at the feasible budget nearest this share
     seed: int = 0
 
@@ -126,6 +127,15 @@ def compare_model(bench: BenchModel, settings: CompareSettings) -> tuple[list[Po
             timeline.update(ours)
         del rm
         gc.collect()  # a plan's compiled step holds graphs; free them before the next plan
+    if settings.ours_inductor:  # at our fraction budgets and at torch.compile's peaks: the peer it is for
+        for point in [p for p in points if p["strategy"] == "ours" and p["measured_peak_bytes"] is not None
+                      and all(m.startswith("compile@") for m in p["matched_to"] or ())]:
+            label = point["label"].replace("ours@", "ours+inductor@", 1)
+            compiled, rm = _ours_point(ctx, point["budget_bytes"], label, point["matched_to"] or [], -1,
+                                       compile=True)
+            points.append(compiled)
+            del rm
+            gc.collect()
     return points, timeline
 
 
@@ -290,17 +300,22 @@ def _ours_budgets(ctx: _Context, peer_points: list[Point]) -> list[tuple[int, st
 
 
 def _ours_point(
-    ctx: _Context, budget_bytes: int, label: str, matched_to: list[str], floor: int
+    ctx: _Context, budget_bytes: int, label: str, matched_to: list[str], floor: int, *, compile: bool = False
 ) -> tuple[Point, RematModule | None]:
-    """Plan at ``budget_bytes`` (timed) and measure; infeasible budgets become points that say so."""
+    """Plan at ``budget_bytes`` (timed) and measure; infeasible budgets become points that say so.
+
+    ``compile``: the plan's programs run as inductor kernels (strategy "ours+inductor"); the time to
+    plan includes compiling them.
+    """
     bench = ctx.bench
-    point = ctx.base("ours", label)
+    strategy = "ours+inductor" if compile else "ours"
+    point = ctx.base(strategy, label)
     point.update(setting=budget_bytes / ctx.none_peak, budget_bytes=budget_bytes, matched_to=matched_to or None)
     if 0 <= budget_bytes < floor:
         log.info("%s %s: below the smallest feasible budget %d", bench.name, label, floor)
         point.update(infeasible=True, min_feasible_bytes=floor)
         return point, None
-    attempt = plan_timed(bench, ctx.batch, budget_bytes, label)
+    attempt = plan_timed(bench, ctx.batch, budget_bytes, label, compile=compile)
     if attempt.min_feasible_bytes is not None:
         point.update(infeasible=True, min_feasible_bytes=attempt.min_feasible_bytes, plan_s=attempt.plan_s)
         return point, None
@@ -315,7 +330,7 @@ def _ours_point(
     def step(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
         return loss_of(rm(*args, **kwargs))
 
-    measured = ctx.measure("ours", label, lambda: _ready(step))
+    measured = ctx.measure(strategy, label, lambda: _ready(step), compiled=compile)
     point.update({k: v for k, v in measured.items() if v is not None and k not in ("setting", "budget_bytes")})
     point.update(
         predicted_peak_bytes=plan.predicted_peak_bytes, predicted_time_ratio=plan.predicted_overhead,

@@ -21,6 +21,7 @@ STYLE = {
     "drop_cheap": {"color": "tab:purple", "marker": "D", "markersize": 7},
     "compile": {"color": "tab:orange", "marker": "o", "markersize": 6},
     "ours": {"color": "tab:red", "marker": "o", "markersize": 6},
+    "ours+inductor": {"color": "darkred", "marker": "D", "markersize": 6},
 }
 NAMES = {
     "none": "none (unmodified)",
@@ -29,6 +30,7 @@ NAMES = {
     "drop_cheap": "Chen drop cheap ops",
     "compile": "torch.compile activation_memory_budget",
     "ours": "ours (remat_plugin)",
+    "ours+inductor": "ours, compile=True (inductor kernels)",
 }
 TIMELINE_STYLE = {
     "none measured": {"color": "tab:blue", "linestyle": "-"},

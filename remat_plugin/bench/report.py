@@ -136,7 +136,7 @@ def _mib(nbytes: int | None) -> str:
 def _setting(point: dict[str, Any]) -> str:
     if point["strategy"] == "compile":
         return f"activation_memory_budget={point['setting']:g}"
-    if point["strategy"] != "ours":
+    if point["strategy"] not in ("ours", "ours+inductor"):
         return ""
     text = f"budget {_mib(point['budget_bytes'])} ({point['setting']:.2f})"
     return text + (f" = {', '.join(point['matched_to'])} peak" if point["matched_to"] else "")
@@ -188,8 +188,7 @@ def frontier_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     found = []
     for model in dict.fromkeys(p["model"] for p in points):
         mine = [p for p in points if p["model"] == model and _measured_point(p)]
-        ours = [p for p in mine if p["strategy"] == "ours" and p["grads_equal"]]
-        for peer in (p for p in mine if p["strategy"] not in ("none", "ours")):
+        for peer, ours in _peer_pairs(mine):
             reaching = [p for p in ours if p["measured_peak_bytes"] <= peer["measured_peak_bytes"]]
             matched = [p for p in reaching if peer["label"] in (p.get("matched_to") or ())]
             best = min(matched or reaching, key=lambda p: p["time_ratio"], default=None)
@@ -209,6 +208,19 @@ def frontier_comparison(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 )  # fmt: skip
             found.append(entry)
     return found
+
+
+def _peer_pairs(points: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Each peer point with the points of ours it is compared with: ours (eager programs) against every peer,
+    and ours+inductor (compiled programs), where measured, against torch.compile's points too.  Ours with
+    gradients unequal to none's never count."""
+    mine = {s: [p for p in points if p["strategy"] == s and p["grads_equal"]] for s in ("ours", "ours+inductor")}
+    pairs = []
+    for peer in (p for p in points if p["strategy"] not in ("none", "ours", "ours+inductor")):
+        pairs.append((peer, mine["ours"]))
+        if peer["strategy"] == "compile" and mine["ours+inductor"]:
+            pairs.append((peer, mine["ours+inductor"]))
+    return pairs
 
 
 def format_frontier_comparison(comparisons: list[dict[str, Any]]) -> str:

@@ -116,13 +116,14 @@ class PlanAttempt:
     error: str | None = None  # set when the model could not be planned at all
 
 
-def plan_timed(bench: BenchModel, batch: Batch, budget_bytes: int, label: str) -> PlanAttempt:
-    """``rematerialize`` at ``budget_bytes``, timed; an infeasible budget or a model that cannot be captured
-    becomes an attempt that says so, so one point does not end the whole run."""
+def plan_timed(bench: BenchModel, batch: Batch, budget_bytes: int, label: str, *, compile: bool = False) -> PlanAttempt:
+    """``rematerialize`` at ``budget_bytes`` (``compile``: with compiled programs), timed until the plan settles;
+    an infeasible budget or a model that cannot be captured becomes an attempt that says so, so one point does
+    not end the whole run."""
     log.info("%s %s: planning for %d bytes", bench.name, label, budget_bytes)
     t0 = time.perf_counter()
     try:
-        rm = rematerialize(bench.module, batch[0], batch[1], budget=budget_bytes)
+        rm = rematerialize(bench.module, batch[0], batch[1], budget=budget_bytes, compile=compile)
         _settle_plan(bench, rm, batch)
     except InfeasibleBudgetError as exc:
         return PlanAttempt(None, time.perf_counter() - t0, min_feasible_bytes=exc.min_feasible_bytes)

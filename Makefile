@@ -14,6 +14,9 @@ CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs
 	tests/test_memory.py tests/test_layers.py tests/test_training_loop.py tests/test_lightning.py \
 	tests/test_accelerate_hook.py tests/test_ddp.py tests/test_rank_agreement.py tests/test_mixed_precision.py \
 	tests/test_compile.py
+# On torch 2.14 the mixed-precision sweeps (150 s) are left out: the other tests of that file reach the same
+# private APIs (traced_like_eager) in a few seconds.
+CORE_DESELECT := -k "not every_budget"
 
 .venv/ready: pyproject.toml
 	python3 -m venv .venv
@@ -40,7 +43,7 @@ test-torch2.13: .venv/ready
 	$(PY) $(PYTEST) --dist loadfile --no-loadscope-reorder --durations=15
 
 test-torch2.14: .venv-torch2.14/ready
-	$(PY214) $(PYTEST) $(CORE_TESTS)
+	$(PY214) $(PYTEST) $(CORE_TESTS) $(CORE_DESELECT)
 
 # ruff and mypy on one core while pip builds .venv-torch2.14 on the other; then the two test runs.
 test: .venv/ready

@@ -23,6 +23,12 @@ Options come from arguments, a :class:`RematPlugin`, or the environment (``REMAT
 in that order, into one :class:`~remat_plugin.runtime.config.RematConfig`, which checks them.  With no
 budget anywhere, :func:`prepare` is plain ``accelerator.prepare(model)``.
 
+Mixed precision (``--mixed_precision bf16|fp16``): ``accelerator.prepare`` wraps the model's forward
+in autocast (outputs to fp32); the session takes that wrapped forward's place, so it is wrapped the
+same way (:func:`_mixed_precision_forward`) and plans the step as it runs under autocast.  fp8 is
+refused.  A compiled model (``dynamo_backend``, ``torch.compile``) is refused naming ``REMAT_COMPILE=1``,
+which compiles the planned step instead.
+
 Output: Accelerate sets up no logging handler, so what the main process says (what is rewritten,
 one line per new plan, the batch size chosen) goes to stderr through ``remat_plugin``'s default
 handler (:mod:`remat_plugin.runtime.reporting`) unless the script configures logging;

@@ -166,7 +166,16 @@ class AutoRemat(pl.Callback):
             raise RematError(f"AutoRemat: Trainer precision {str(precision)!r} is not supported; use one of "
                              f"{', '.join(SUPPORTED_PRECISION)}, or remove AutoRemat")
 
+    @staticmethod
+    def check_strategy(strategy: object) -> None:
+        """Refuse DeepSpeed: its engine owns the forward, backward and the parameters' memory."""
+        if "deepspeed" in type(strategy).__name__.lower():
+            raise RematError(f"AutoRemat: the {type(strategy).__name__} is not supported: DeepSpeed's engine runs the "
+                             "backward and partitions the parameters itself. Use strategy='ddp' (or 'auto'), or "
+                             "remove AutoRemat")
+
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.check_strategy(trainer.strategy)
         self.check_precision(trainer.precision)
         name, target = pick_target(pl_module, self.module_name)
         refuse_compiled(target, "AutoRemat(compile=True)")

@@ -58,3 +58,31 @@ def test_remat_compile_variable():
     assert RematConfig.from_env({"REMAT_COMPILE": "no"}).compile is False
     with pytest.raises(ConfigError, match="REMAT_COMPILE"):
         RematConfig.from_env({"REMAT_COMPILE": "maybe"})
+
+
+def test_segments_exchange_tensors_when_a_getitem_comes_late():
+    """The executor derives some getitems of views at their first use, after a random op: a compiled segment
+    still hands over tensors, never a multi-output op's tuple, and the random op draws what eager draws."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat_plugin.capture.compiled_programs import compile_program
+
+    def f(x):
+        a, b = torch.ops.aten.split.Tensor(torch.ops.aten.mul.Tensor(x, 2.0), 4)
+        r = torch.ops.aten.rand_like.default(a)
+        return (torch.ops.aten.add.Tensor(torch.ops.aten.mul.Tensor(a, r), torch.ops.aten.sin.default(b)),)
+
+    x = torch.randn(8, 4)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    late = next(n for n in gm.graph.nodes if n.op == "call_function" and "getitem" in n.name
+                and n.args[1] == 1)
+    nodes["rand_like"].append(late)  # b's getitem after the random op, as the executor may emit it
+    gm.recompile()
+    program = compile_program(gm, [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")])
+    assert program.n_compiled >= 1
+    torch.manual_seed(4)
+    expected = f(x)[0]
+    torch.manual_seed(4)
+    got = program([x])[0]
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -22,9 +23,9 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_siz
         "data.batch_size=4", "data.seq_lens=[128]", "data.batches_per_len=4", "trainer.max_steps=4"]
 
 
-def _run(precision, budget=None):
+def _run(precision, budget=None, **options):
     recorder = StepRecorder()
-    auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2) if budget is not None else None
+    auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2, **options) if budget is not None else None
     callbacks = [auto, recorder] if auto is not None else [recorder]
     trainer, _ = train(load_options(None, [*TINY, f"trainer.precision={precision}"]), callbacks)
     return recorder, auto, trainer
@@ -41,6 +42,30 @@ def test_bf16_fit_losses_bitwise_and_every_step_within_budget(precision):
     plan = auto.session.plan
     assert any(b.mode != "keep" for b in plan.blocks)
     assert ("autocast cpu bfloat16" in describe(plan.signature)) == (precision == "bf16-mixed")
+
+
+def test_compile_true_in_fit_matches_the_run_without_remat():
+    """AutoRemat(compile=True) in a real Trainer.fit (float32, dropout on): the planned step runs as inductor
+    kernels, every loss within 1e-5 of the run without AutoRemat, every step within the budget."""
+    plain, _, _ = _run("32-true")
+    budget = max(plain.peaks) // 2
+    ours, auto, _ = _run("32-true", budget, compile=True)
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(ours.losses, plain.losses)), (ours.losses, plain.losses)
+    assert max(ours.peaks) <= budget, (ours.peaks, budget)
+    step = auto.session.resolver.latest
+    assert all(getattr(p, "n_compiled", 0) > 0 for p in step.compiled_programs())
+
+
+class CompiledGPT2Lit(lightning_gpt2.GPT2Lit):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.model = torch.compile(self.model)
+
+
+def test_a_compiled_module_in_fit_is_refused_naming_compile_true(monkeypatch):
+    monkeypatch.setattr(lightning_gpt2, "GPT2Lit", CompiledGPT2Lit)
+    with pytest.raises(RematError, match=r"torch\.compile.*AutoRemat\(compile=True\)"):
+        train(load_options(None, TINY), [AutoRemat(budget="100MiB")])
 
 
 class ManualGPT2Lit(lightning_gpt2.GPT2Lit):
@@ -75,3 +100,11 @@ def test_unsupported_precision_is_refused_at_setup():
     auto = AutoRemat(budget="100MiB")
     with pytest.raises(RematError, match="precision 'transformer-engine' is not supported.*bf16-mixed"):
         auto.check_precision("transformer-engine")
+
+
+def test_deepspeed_strategy_is_refused_at_setup():
+    class DeepSpeedStrategy:  # what Lightning's strategy is called; deepspeed itself is not installed here
+        pass
+
+    with pytest.raises(RematError, match="DeepSpeedStrategy is not supported.*strategy='ddp'"):
+        AutoRemat(budget="100MiB").check_strategy(DeepSpeedStrategy())

@@ -256,7 +256,7 @@ def format_compare(payload: dict[str, Any]) -> str:
         "",
         f"Meter: {payload['meter_note']}",
         "Time ratio: median over interleaved (none, strategy) step pairs of strategy time / none time.",
-        "Grads vs none: exact (bitwise), allclose (rtol 1e-5, float32), or NO, with the largest absolute difference.",
+        "Grads vs none: exact (bitwise), allclose (float32: rtol 1e-5, atol 1e-6), or NO, with the largest absolute difference.",
         "",
         "## Every point",
         "",

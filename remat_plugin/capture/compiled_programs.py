@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from remat_plugin.errors import RematError
 from remat_plugin.torch_private import OpOverload, compile_segment
 
 
@@ -109,7 +110,7 @@ def compile_program(gm: fx.GraphModule, example_inputs: list) -> SegmentedProgra
     nodes = list(gm.graph.nodes)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     output_node = next(n for n in nodes if n.op == "output")
-    body = [n for n in nodes if n.op not in ("placeholder", "output")]
+    body = _getitems_after_producers([n for n in nodes if n.op not in ("placeholder", "output")])
 
     runs: list[list[fx.Node]] = []
     open_run: list[fx.Node] | None = None  # the run compiled nodes join
@@ -145,12 +146,37 @@ def compile_program(gm: fx.GraphModule, example_inputs: list) -> SegmentedProgra
             seg_run: Callable[[list], Any] = _Eager(run[0], inputs)
             outputs = [run[0].name]
         elif any(_computes(n) for n in run):
-            seg_run = _Compiled(compile_segment(_subgraph(gm, run, inputs, outputs)))
+            seg_run = _Compiled(_compiled(_subgraph(gm, run, inputs, outputs)))
         else:
             seg_run = _EagerGraph(_subgraph(gm, run, inputs, outputs))
         segments.append(_Segment(inputs, outputs, seg_run, release))
     output = fx.node.map_arg(output_node.args[0], lambda a: _Name(a.name))
     return SegmentedProgram(placeholders, segments, output)
+
+
+def _compiled(segment: fx.GraphModule) -> Callable[[list], Any]:
+    try:
+        return compile_segment(segment)
+    except Exception as exc:  # inductor raises many types; each means this segment did not compile
+        ops = sorted({str(n.target) for n in segment.graph.nodes if n.op == "call_function"})
+        raise RematError(f"remat_plugin: inductor could not compile a segment of the planned step (ops: "
+                         f"{', '.join(ops[:8])}{', ...' if len(ops) > 8 else ''}): {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:300] if str(exc) else ''}. Plan without compile=True "
+                         "(REMAT_COMPILE=0) to run it eagerly") from exc
+
+
+def _getitems_after_producers(body: list[fx.Node]) -> list[fx.Node]:
+    """``body`` with each getitem moved up to just after the op it reads: a segment's outputs are then its
+    tensors, never a multi-output op's tuple (the executor derives some getitems of views late, at first use)."""
+    index = {n: i for i, n in enumerate(body)}
+    order: list[fx.Node] = []
+    for node in body:
+        if node.target is operator.getitem and node.args[0] in index:
+            continue  # placed with its producer
+        order.append(node)
+        order.extend(sorted((u for u in node.users if u.target is operator.getitem and u in index),
+                            key=index.__getitem__))
+    return order
 
 
 class _EagerGraph:

@@ -17,6 +17,20 @@ def settle(step, n: int = 3) -> None:
         step()
 
 
+def train_step(module, bench, batch, seed: int):
+    """One training step of ``module`` (``bench.module`` or a plan of it) on ``batch``: gradients set afresh,
+    RNG seeded, loss backward; returns the loss."""
+    import torch
+
+    args, kwargs = batch
+    for p in bench.module.parameters():
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = bench.loss(module(*args, **kwargs))
+    loss.backward()
+    return loss.detach()
+
+
 def assert_same_grads_and_buffers(module, reference, label: str) -> None:
     """Every parameter gradient and buffer of ``module`` equals ``reference``'s bitwise."""
     import torch

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from budgets import settle, sweep
+from budgets import settle, sweep, train_step
 
 from remat_plugin import rematerialize
 from remat_plugin.bench.models import build
@@ -118,15 +118,9 @@ def test_bf16_weights_with_dropout_bitwise():
     tensor, which the trace reproduces (AOTAutograd's native_dropout would round the backward otherwise)."""
     bench = build("gpt2-tiny", seed=0, dtype=torch.bfloat16, **MODELS["gpt2-tiny"])
     batch = bench.make_batch(0)
-    args, kwargs = batch
 
     def step(module):
-        for p in bench.module.parameters():
-            p.grad = None
-        torch.manual_seed(5)
-        loss = bench.loss(module(*args, **kwargs))
-        loss.backward()
-        return loss.detach()
+        return train_step(module, bench, batch, seed=5)
 
     loss_ref = step(bench.module)
     grads_ref = _grads(bench)

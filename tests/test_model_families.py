@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from budgets import assert_same_grads_and_buffers, settle, sweep
+from budgets import assert_same_grads_and_buffers, settle, sweep, train_step
 
 from remat_plugin import rematerialize
 from remat_plugin.bench.models import build, gpt2_tiny
@@ -33,13 +33,7 @@ DECODER_LMS = {"llama-tiny", "mistral-tiny"}
 
 
 def _step(module, bench, batch, seed=123):
-    args, kwargs = batch
-    for p in bench.module.parameters():
-        p.grad = None
-    torch.manual_seed(seed)
-    loss = bench.loss(module(*args, **kwargs))
-    loss.backward()
-    return loss.detach()
+    return train_step(module, bench, batch, seed)
 
 
 def _peak(module, bench, batch):

@@ -50,6 +50,7 @@ class _Segment:
     outputs: list[str]
     run: Callable[[list], Any]  # boxed: receives the input list and may clear it
     release: list[bool]  # per input: its last read is here (the runner hands it over)
+    compiled: bool  # run is inductor's kernel (else eager ops)
 
 
 class SegmentedProgram:
@@ -61,7 +62,7 @@ class SegmentedProgram:
         self.placeholders = placeholders
         self.segments = segments
         self.output = output  # the output node's argument, fx.Node leaves replaced by names
-        self.n_compiled = sum(isinstance(s.run, _Compiled) for s in segments)
+        self.n_compiled = sum(s.compiled for s in segments)
 
     def __call__(self, args: list) -> Any:
         env = dict(zip(self.placeholders, args))
@@ -77,16 +78,6 @@ class SegmentedProgram:
 
 class _Name(str):
     """A value's name inside the program's output structure."""
-
-
-class _Compiled:
-    """A segment's inductor kernel, boxed."""
-
-    def __init__(self, fn: Callable[[list], Any]):
-        self.fn = fn
-
-    def __call__(self, ins: list) -> Any:
-        return self.fn(ins)
 
 
 class _Eager:
@@ -105,7 +96,7 @@ class _Eager:
         return (self.target(*args, **kwargs),)  # type: ignore[operator]
 
 
-def compile_program(gm: fx.GraphModule, example_inputs: list) -> SegmentedProgram:
+def compile_program(gm: fx.GraphModule) -> SegmentedProgram:
     """``gm`` (a planned forward or backward program) as inductor segments and eager ops (NOTE [compiled programs])."""
     nodes = list(gm.graph.nodes)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
@@ -142,14 +133,15 @@ def compile_program(gm: fx.GraphModule, example_inputs: list) -> SegmentedProgra
                     inputs.append(a.name)
         outputs = [n.name for n in run if last_read.get(n.name, -1) > i]
         release = [last_read[name] == i for name in inputs]
+        kernel = False
         if len(run) == 1 and (not _compilable(run[0]) or run[0].target is operator.getitem):  # eager
             seg_run: Callable[[list], Any] = _Eager(run[0], inputs)
             outputs = [run[0].name]
         elif any(_computes(n) for n in run):
-            seg_run = _Compiled(_compiled(_subgraph(gm, run, inputs, outputs)))
+            seg_run, kernel = _compiled(_subgraph(gm, run, inputs, outputs)), True
         else:
             seg_run = _EagerGraph(_subgraph(gm, run, inputs, outputs))
-        segments.append(_Segment(inputs, outputs, seg_run, release))
+        segments.append(_Segment(inputs, outputs, seg_run, release, kernel))
     output = fx.node.map_arg(output_node.args[0], lambda a: _Name(a.name))
     return SegmentedProgram(placeholders, segments, output)
 

@@ -160,7 +160,7 @@ class CompiledStep:
     out_tensor_positions: list[int] = field(default_factory=list)
     usage: OutputUsage | None = None  # of the latest call whose backward has begun
     traced: bool = False
-    backward_autocast: bool = False  # trace the backward under the forward's autocast (traced_like_eager)
+    options: ExecutionOptions = EAGER  # where the caller's backward() runs (traced_like_eager), compiled or not
     programs: list[Callable] = field(default_factory=list)  # the forward and backward programs, once traced
 
     def __call__(self, args: tuple, kwargs: dict):
@@ -169,11 +169,11 @@ class CompiledStep:
         if self.traced:
             flat_out = self.fn(*inputs)
         else:
-            with traced_like_eager(self.backward_autocast):  # the first call traces the joint graph
+            with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
                 flat_out = self.fn(*inputs)
             self.traced = True
         without_donated_buffers(flat_out)
-        flat_out = _watched(flat_out, self._record, self.backward_autocast)
+        flat_out = _watched(flat_out, self._record, self.options.backward_autocast)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):
@@ -210,7 +210,7 @@ def build_step(
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
-                        backward_autocast=options.backward_autocast)
+                        options=options)
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))
@@ -236,9 +236,9 @@ def build_step(
         joint.real_inputs = {n.name: t for n, t in zip(primals, flat_inputs)}
         return emit(joint)
 
-    def boxed(gm_, example):
+    def boxed(gm_, _example):
         if options.compile:
-            program: Callable = compile_program(gm_, example)
+            program: Callable = compile_program(gm_)
         else:
             # Boxed calling convention: the program receives the argument list and clears it,
             # so each saved tensor dies after its last use instead of at the end of backward.

@@ -22,6 +22,7 @@ import logging
 import torch
 from torch import nn
 
+from remat_plugin.capture.export import EAGER
 from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
 from remat_plugin.errors import human_bytes
 from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
@@ -64,8 +65,8 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
             return False
         loss = next((t for t in roots if t.numel() == 1), None)
         # where the step's backward was traced for: after the caller's autocast block, or inside it
-        inside = getattr(step.run, "backward_autocast", False)
-        with contextlib.nullcontext() if inside else autocast_disabled():
+        options = getattr(step.run, "options", EAGER)
+        with contextlib.nullcontext() if options.backward_autocast else autocast_disabled():
             torch.autograd.grad(loss if loss is not None else roots[0].sum(), params, allow_unused=True)
         return True
 

@@ -2,7 +2,8 @@
 
 A :class:`Signature` is what a plan depends on: the pytree layout of the call, per leaf its
 shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), train and grad
-mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the module's state: the names, shapes and dtypes of its parameters and buffers and
+mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the
+module's state: the names, shapes and dtypes of its parameters and buffers and
 which parameters require gradients (unfreezing a layer or adding an adapter is a new graph).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
 
 Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean inputs: token

@@ -31,6 +31,7 @@ from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.errors import OptionError, RematError, human_bytes
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.forward_swap import ForwardSwap
@@ -101,7 +102,7 @@ class AutoRemat(pl.Callback):
     """
 
     def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
-                 cache_dir: str | None = None, ilp_time_limit_s: float = 0.5, auto_batch_size: bool | str = False,
+                 cache_dir: str | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, auto_batch_size: bool | str = False,
                  batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None,
                  verbose: bool = True, compile: bool = False):
         try:  # every option is checked now, not at the first batch

@@ -24,6 +24,7 @@ from torch import nn
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.problem import Op, Problem, Value
 from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.steps import capture_problem
 from remat_plugin.torch_private import pytree
 
@@ -112,7 +113,7 @@ class BatchSizeSearch:
     """Plans ``module`` at candidate batch sizes from two captured points; see the module docstring."""
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, budget_bytes: int, *, multiple_of: int = 1,
-                 max_val: int | None = None, ilp_time_limit_s: float = 0.5):
+                 max_val: int | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
         if multiple_of < 1 or (max_val is not None and max_val < multiple_of):
             raise ValueError(f"remat_plugin.batch_size: need 1 <= multiple_of ({multiple_of}) <= max_val ({max_val})")
         self.budget_bytes = budget_bytes
@@ -166,7 +167,7 @@ class BatchSizeSearch:
 
 
 def choose_batch_size(module: nn.Module, args: tuple, kwargs: dict, budget_bytes: int, *, objective: str = "max",
-                      multiple_of: int = 1, max_val: int | None = None, ilp_time_limit_s: float = 0.5,
+                      multiple_of: int = 1, max_val: int | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
                       verify: Callable[[int], int] | None = None, max_trials: int = 3) -> BatchSizeChoice:
     """The batch size for ``budget_bytes``; ``verify(b)`` runs one real step at ``b`` and returns its peak."""
     if objective not in OBJECTIVES:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from remat_plugin.cli.plan_commands import add_plan_parser, add_report_parser, run_plan, run_report
 from remat_plugin.errors import OptionError
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import BUDGET_FORMS, parse_budget
 from remat_plugin.runtime.config import ENV_VARIABLES, RematConfig
 
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--seq-bucket", help="how sequence lengths round up into plan buckets: pow2 (default), a "
                                              "multiple such as 64, or exact")
     launch.add_argument("--cache-dir", help="also keep plans in this directory, for later runs of the same model")
-    launch.add_argument("--ilp-time-limit-s", type=float, help="time cap of each block ILP solve, seconds (default 0.5)")
+    launch.add_argument("--ilp-time-limit-s", type=float, help=f"time cap of each block ILP solve, seconds (default {DEFAULT_ILP_TIME_LIMIT_S})")
     return parser
 
 

@@ -22,6 +22,7 @@ from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.steps import capture_problem
@@ -42,7 +43,7 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where to capture and cost the model; meta allocates nothing and estimates op times")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32")
-    p.add_argument("--ilp-time-limit-s", type=float, default=0.5, help="time cap of each block ILP solve")
+    p.add_argument("--ilp-time-limit-s", type=float, default=DEFAULT_ILP_TIME_LIMIT_S, help="time cap of each block ILP solve")
     p.add_argument("--json", metavar="PATH", help="write the plan (with its memory timeline) to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 

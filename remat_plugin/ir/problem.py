@@ -54,6 +54,10 @@ class Problem:
     def op(self, name: str) -> Op:
         return self._ops_by_name()[name]
 
+    def __getstate__(self) -> dict:
+        """Fields only: the lookup indexes cached on the instance are rebuilt where needed."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
     def value(self, name: str) -> Value:
         return self._values_by_name()[name]
 

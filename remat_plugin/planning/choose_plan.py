@@ -17,7 +17,7 @@ from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.baselines import rotor_schedule, sqrt_n_schedule
 from remat_plugin.planning.budget_search import ScheduleCandidate, fastest_fitting, hill_climb, lowest_peak, refine
-from remat_plugin.planning.menus import Planner, kept_reads
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S, Planner, kept_reads
 from remat_plugin.planning.solvers.chain import ChainPlan
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def _unmodified_plan(problem: Problem, base, user_budget_bytes: int, margin_byte
     )
 
 
-def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = 0.5,
+def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
               progress=None, find_floor: bool = True, planners: PlannerCache | None = None,
               calibration_bytes: int = 0) -> tuple[Plan, Schedule]:
     """The fastest schedule whose simulated peak fits ``budget_bytes``; raises :class:`InfeasibleBudgetError`.

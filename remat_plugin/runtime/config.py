@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from remat_plugin.errors import OptionError
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.signature import BucketPolicy, round_length
 
@@ -58,7 +59,7 @@ class RematConfig:
     # Directory where plans are also stored, so a new process with the same model does not re-solve.
     cache_dir: str | None = None
     # Time cap of each block ILP solve, seconds: planning time against plan quality.
-    ilp_time_limit_s: float = 0.5
+    ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S
     # Auto batch size: "max" (or True) trains at the largest batch whose best plan fits the budget, "throughput" at
     # the one with the most predicted samples per second; False keeps the script's batch size.
     auto_batch_size: bool | str = False

@@ -11,6 +11,7 @@ from torch import nn
 
 from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Problem
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.resolver import StepResolver
@@ -37,7 +38,7 @@ class RematModule(nn.Module):
     original: nn.Module  # set with object.__setattr__: not a registered child
     _resolver: StepResolver  # likewise, so nn.Module does not look into it
 
-    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = 0.5, *,
+    def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, *,
                  caches: PlanningCaches | None = None, verbose: bool = True, compile: bool = False):
         refuse_compiled(original, "rematerialize(module, ..., compile=True)")
         super().__init__()
@@ -125,7 +126,7 @@ def rematerialize(
     kwargs: dict | None = None,
     budget: int | str = "80%",
     *,
-    ilp_time_limit_s: float = 0.5,
+    ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
     verbose: bool = True,
     compile: bool = False,
 ) -> RematModule:

@@ -3,7 +3,9 @@
     python -m remat_plugin.bench.planning_time [--model llama-tiny] [--layers 4,16] [--budget 0.5]
 
 Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
-menus: capture + profile + every solve.  The DP is timed on synthetic chains of 14 and
+menus: capture + profile + every solve.  Each time is split into the plan's stages: export
+(``torch.export``), trace (AOTAutograd's joint graph), profile (op times and scratch), block
+menus (block ILPs), budget search (chain DP and simulator), other (first run, bookkeeping).  The DP is timed on synthetic chains of 14 and
 100 blocks with 10 options each at 500 memory slots.
 """
 from __future__ import annotations
@@ -27,8 +29,11 @@ args, kwargs = bench.make_batch(0)
 t1 = time.perf_counter()
 rm = rematerialize(bench.module, args, kwargs, budget={budget})
 t2 = time.perf_counter()
+stages = dict(rm.plan.planning_stages)
+stages["other"] = (t2 - t1) - sum(stages.values())  # the first run of the programs, summary, bookkeeping
 print(json.dumps({{"n_layer": {n_layer}, "plan_s": t2 - t1, "blocks": len(rm.plan.blocks),
-                   "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead}}))
+                   "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead,
+                   "stages_s": stages}}))
 """
 
 
@@ -83,6 +88,7 @@ def main() -> None:
     for c in results["cold"]:
         print(f"cold planning {opts.model} {c['n_layer']} layers: {c['plan_s']:.1f} s ({c['blocks']} blocks,"
               f" {c['unique_blocks']} unique)")
+        print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in c["stages_s"].items()))
     first, last = results["cold"][0], results["cold"][-1]
     print(f"ratio {last['n_layer']} / {first['n_layer']} layers: {last['plan_s'] / first['plan_s']:.2f}x")
     for n, ms in results["dp_ms"].items():

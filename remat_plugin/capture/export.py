@@ -8,6 +8,7 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,6 +163,7 @@ class CompiledStep:
     traced: bool = False
     options: ExecutionOptions = EAGER  # where the caller's backward() runs (traced_like_eager), compiled or not
     programs: list[Callable] = field(default_factory=list)  # the forward and backward programs, once traced
+    trace_started: float | None = None  # time.perf_counter() as the first call began tracing
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -169,6 +171,7 @@ class CompiledStep:
         if self.traced:
             flat_out = self.fn(*inputs)
         else:
+            self.trace_started = time.perf_counter()
             with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
                 flat_out = self.fn(*inputs)
             self.traced = True

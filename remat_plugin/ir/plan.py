@@ -52,6 +52,9 @@ class Plan:
     # Outputs (flat tensor positions) the plan frees once the forward returns them: the caller was seen
     # dropping them before backward (NOTE [dropped outputs] in remat_plugin.capture.joint).
     dropped_outputs: tuple[int, ...] = ()
+    # Where planning's time went, in order: (stage, seconds); capture stages come from the runtime,
+    # "block menus" and "budget search" from the planner.  Empty for replayed and fallback plans.
+    planning_stages: tuple[tuple[str, float], ...] = ()
 
     @property
     def predicted_overhead(self) -> float:
@@ -69,6 +72,7 @@ class Plan:
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
         for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes", "dropped_outputs"):
             data[name] = tuple(data.get(name, ()))
+        data["planning_stages"] = tuple((str(n), float(s)) for n, s in data.get("planning_stages", ()))
         return Plan(**data)
 
     def table(self) -> str:

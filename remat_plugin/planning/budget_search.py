@@ -24,15 +24,15 @@ def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simu
 
     The DP rounds sizes up and sees blocks alone, so its own budget is only a knob:
     a little above the real budget often still fits once simulated, and below it the
-    overshoot tells how far to step down.
+    overshoot tells how far to step down.  The knob is turned down from the top and the
+    first schedule that fits is taken: a smaller DP budget only shrinks the DP's choices, so
+    its schedules are no faster (times are exact sums of op times; only sizes are rounded).
     """
-    best = None
     for factor in (1.5, 1.35, 1.25, 1.18, 1.12, 1.08, 1.05, 1.02):
         found = planner.try_budget(int(budget_bytes * factor))
-        if found is not None and found[1].peak_bytes <= budget_bytes and (
-            best is None or found[1].time_ms < best[1].time_ms
-        ):
-            best = found
+        if found is not None and found[1].peak_bytes <= budget_bytes:
+            return found
+    best = None
     dp_budget = budget_bytes
     for _ in range(12):
         found = planner.try_budget(dp_budget)

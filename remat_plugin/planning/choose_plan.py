@@ -97,7 +97,9 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     base = simulate(problem, keep_all)
     if not find_floor and base.peak_bytes <= budget_bytes:
         return _unmodified_plan(problem, base, user_budget_bytes, user_budget_bytes - budget_bytes, t0), keep_all
+    t_menus = time.perf_counter()
     planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s, progress)
+    t_search = time.perf_counter()
     floor = lowest_peak(planner)
 
     def needed(peak_bytes: int) -> int:
@@ -109,14 +111,20 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         chosen = (keep_all, base, None)
     else:
         chosen = fastest_fitting(planner, budget_bytes)
-        if chosen is None and floor is not None and floor[1].peak_bytes <= budget_bytes:
-            chosen = floor
         if chosen is not None:
             chosen = hill_climb(planner, budget_bytes, refine(planner, budget_bytes, chosen))
+        if floor is not None and floor[1].peak_bytes <= budget_bytes:
+            # The climb from the lowest-peak schedule can end faster than the one from the DP's pick
+            # (the DP rounds sizes; each climb stops at a local optimum).
+            chosen = _faster(chosen, hill_climb(planner, budget_bytes, floor, time_budget_s=0.5))
+        for found in planner.fitting(budget_bytes):  # what searches at other budgets found
+            chosen = _faster(chosen, found)
         chosen = portfolio(problem, constants, planner, budget_bytes, chosen)
     if chosen is None:
         raise InfeasibleBudgetError(user_budget_bytes, min_feasible)
     schedule, sim, cp = chosen
+    if cp is not None:
+        planner.remember((schedule, sim, cp))
     if cp is not None and (planner.lowest is None or sim.peak_bytes < planner.lowest[1].peak_bytes):
         planner.lowest = (schedule, sim, cp)  # the search found a lower peak than the DP's least budget
     min_feasible = min(min_feasible, needed(sim.peak_bytes))
@@ -134,12 +142,19 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         planning_s=time.perf_counter() - t0,
         schedule=schedule.bwd_sequence,
         notes=tuple(planner.notes),
+        planning_stages=(("block menus", t_search - t_menus), ("budget search", time.perf_counter() - t_search)),
     )
     log.debug("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s (margin %s), overhead %.3fx",
              len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(user_budget_bytes),
              human_bytes(plan.margin_bytes),
              plan.predicted_overhead)
     return plan, schedule
+
+
+def _faster(a: ScheduleCandidate | None, b: ScheduleCandidate | None) -> ScheduleCandidate | None:
+    if a is None or (b is not None and b[1].time_ms < a[1].time_ms):
+        return b
+    return a
 
 
 def portfolio(problem: Problem, constants: set[str], planner: Planner, budget_bytes: int,

@@ -65,6 +65,7 @@ class Planner:
     ilps: dict[tuple, BlockIlp] = field(default_factory=dict)  # block key -> its ILP model, for re-solving
     greedy_blocks: list[int] = field(default_factory=list)  # blocks too big for the ILP (NOTE [big blocks])
     lowest: tuple[Schedule, Simulation, ChainPlan] | None = None  # see budget_search.lowest_peak
+    chosen: list[tuple[Schedule, Simulation, ChainPlan]] = field(default_factory=list)  # plans made, see remember
     notes: list[str] = field(default_factory=list)  # for Plan.notes
 
     def prepare(self, progress=None) -> None:
@@ -192,6 +193,14 @@ class Planner:
             if b.key == block.key:
                 self.menus[b.index] = (*self.menus[b.index], _moved(option, block, b))
                 self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+
+    def remember(self, candidate: tuple[Schedule, Simulation, ChainPlan], max_kept: int = 32) -> None:
+        """Keep a plan made at some budget: a later, larger budget takes it if nothing faster is found."""
+        self.chosen = [candidate, *self.chosen][:max_kept]
+
+    def fitting(self, budget_bytes: int) -> list[tuple[Schedule, Simulation, ChainPlan]]:
+        """Plans remembered whose simulated peak fits ``budget_bytes``."""
+        return [c for c in self.chosen if c[1].peak_bytes <= budget_bytes]
 
     def try_budget(self, dp_budget: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
         cp = solve_chain(self.chain, dp_budget, self.n_slots)

@@ -139,10 +139,15 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
         problem, constants = measured_problem(joint, call.device, progress, caches.op_timings)
         if progress is not None:
             progress.stage("solve blocks, chain DP")
+        t_solve = time.perf_counter()
         plan, schedule = make_plan(problem, constants, budget_bytes, ilp_time_limit_s, progress, find_floor,
                                    caches.planners, calibration_bytes)
+        trace_started = getattr(step.run, "trace_started", None) or t0
+        stages = (("export", export_s), ("trace", t0 - trace_started), ("profile", t_solve - t0),
+                  *plan.planning_stages)
         step.plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=call.key,
-                                        graph_key=graph_key(joint), dropped_outputs=tuple(sorted(dropped_outputs)))
+                                        graph_key=graph_key(joint), dropped_outputs=tuple(sorted(dropped_outputs)),
+                                        planning_stages=stages)
         step.problem, step.checked = problem, True
         step.output_bytes = {i: joint.value_bytes(v) for i, v in joint.output_roots.items()}
         if on_plan is not None:
@@ -151,8 +156,10 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
 
     if progress is not None:
         progress.stage("capture")
+    export_started = time.perf_counter()
     try:
         step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs, options)
+        export_s = time.perf_counter() - export_started
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)
         step.checked = True

@@ -10,7 +10,7 @@ from remat_plugin.ir.plan import budget_for_peak
 from remat_plugin.ir.problem import Op, Problem, Schedule, Value
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.budget_search import fastest_fitting, hill_climb, refine
-from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.planning.menus import Planner
 
 MiB = 1 << 20
@@ -200,3 +200,50 @@ def test_lowest_peak_never_above_the_dp_floor_and_is_simulated() -> None:
     assert sim.peak_bytes <= dp_floor[1].peak_bytes
     plan, _ = make_plan(chain4(), set(), 10 * KEEP_ALL_PEAK, ILP_S)
     assert plan.min_feasible_bytes <= budget_for_peak(sim.peak_bytes)
+
+
+def scaled(problem: Problem, k: int) -> Problem:
+    """``problem`` with every size and time times ``k``: what a k-times larger batch looks like."""
+    ops = tuple(Op(o.name, o.is_fwd, o.inputs, o.outputs, o.time_ms * k, o.temp_bytes * k, o.recomputable)
+                for o in problem.ops)
+    values = tuple(Value(v.name, v.size_bytes * k, v.producer) for v in problem.values)
+    return Problem(ops, values, problem.live_out, problem.base_bytes * k)
+
+
+def test_menus_carry_over_to_another_batch_size() -> None:
+    """NOTE [menus across shapes]: a problem with the same blocks at twice the sizes takes the menus solved
+    before, re-costed by the simulator, instead of solving them; its menus and plan equal a cold planner's."""
+    cache, cold = PlannerCache(), PlannerCache()
+    make_plan(chain4(), set(), 10**12, ILP_S, planners=cache)
+    big = scaled(chain4(), 2)
+    warm_plan, warm_schedule = make_plan(big, set(), 2 * budget_for_peak(7 * MiB), ILP_S, planners=cache)
+    warm = cache.prepared(big, set(), ILP_S)
+    assert warm.n_transferred == warm.n_unique > 0
+    cold_plan, _ = make_plan(big, set(), 2 * budget_for_peak(7 * MiB), ILP_S, planners=cold)
+    fresh = cold.prepared(big, set(), ILP_S)
+    assert fresh.n_transferred == 0 and len(fresh.ilps) == fresh.n_unique
+
+    def costs(menu):
+        return sorted((o.kept_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes, round(o.fwd_ms + o.bwd_ms, 9)) for o in menu)
+
+    for b, menu in zip(warm.blocks, warm.menus):
+        assert costs(menu) == costs(fresh.menus[b.index])
+        for option in menu:  # every number is the simulator's at the new sizes
+            sim = simulate(b.problem, option.schedule)
+            assert sim.kept_bytes == option.kept_bytes and abs(sim.time_ms - option.fwd_ms - option.bwd_ms) < 1e-9
+    assert (warm_plan.predicted_peak_bytes, warm_plan.predicted_time_ms) == (
+        cold_plan.predicted_peak_bytes, cold_plan.predicted_time_ms)
+    assert simulate(big, warm_schedule).peak_bytes <= 2 * budget_for_peak(7 * MiB)
+
+
+def test_menus_do_not_carry_over_to_another_structure() -> None:
+    """A block whose values stay alive differently (another output kept) is solved, not given a menu."""
+    cache = PlannerCache()
+    make_plan(chain4(), set(), 10**12, ILP_S, planners=cache)
+    other = chain4()
+    other = Problem(other.ops, other.values, other.live_out | {"relu_1"})
+    make_plan(other, set(), 10**12, ILP_S, planners=cache)
+    planner = cache.prepared(other, set(), ILP_S)
+    changed = [b for b in planner.blocks if "relu_1" in b.problem.live_out]
+    assert changed and planner.n_transferred < planner.n_unique
+    assert all(b.key in planner.ilps for b in changed)

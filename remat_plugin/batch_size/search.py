@@ -23,7 +23,7 @@ from torch import nn
 
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.problem import Op, Problem, Value
-from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.steps import capture_problem
 from remat_plugin.torch_private import pytree
@@ -125,13 +125,15 @@ class BatchSizeSearch:
         a2, k2 = scale_inputs(args, kwargs, self.b1, self.b2)
         self.p2, _ = capture_problem(module, a2, k2)
         self.cache: dict[int, Candidate] = {}
+        self.planners = PlannerCache()  # block menus are solved at the first size tried, re-costed at the others
 
     def evaluate(self, b: int) -> Candidate:
         """Plan batch size ``b`` (from the two captured points) under the budget."""
         if b not in self.cache:
             problem = interpolate(self.p1, self.b1, self.p2, self.b2, b)
             try:
-                plan, _ = make_plan(problem, self.constants, self.budget_bytes, self.ilp_time_limit_s)
+                plan, _ = make_plan(problem, self.constants, self.budget_bytes, self.ilp_time_limit_s,
+                                    planners=self.planners)
                 self.cache[b] = Candidate(b, plan.min_feasible_bytes, plan.predicted_time_ms, plan.predicted_peak_bytes)
             except InfeasibleBudgetError as exc:
                 self.cache[b] = Candidate(b, exc.min_feasible_bytes, None)

@@ -276,6 +276,20 @@ def _subproblem(problem: Problem, names: set[str], exclude_live: set) -> Problem
     return Problem(new_ops, values, live_out)
 
 
+def structure_key(problem: Problem) -> tuple:
+    """What a block's schedules depend on, without its costs or sizes: blocks with equal structure keys
+    take each other's schedules (:func:`rename_schedule`), at other batch sizes or sequence lengths too."""
+    index = {}
+    for i, o in enumerate(problem.ops):
+        for j, v in enumerate(o.outputs):
+            index[v] = (i, j)
+    return tuple(
+        (re.sub(r"_\d+", "", o.name), o.is_fwd, o.recomputable, tuple(index[v] for v in o.inputs),
+         tuple(v in problem.live_out for v in o.outputs))
+        for o in problem.ops
+    )
+
+
 def _canonical_key(problem: Problem) -> tuple:
     index = {}
     for i, o in enumerate(problem.ops):

@@ -33,12 +33,13 @@ class PlannerCache:
     def __init__(self, max_entries: int = 8):
         self.max_entries = max_entries
         self._planners: OrderedDict[tuple, Planner] = OrderedDict()
+        self.menus: dict[tuple, tuple] = {}  # block structure -> a solved block and its menu (NOTE [menus across shapes])
 
     def prepared(self, problem: Problem, constants: set[str], ilp_time_limit_s: float, progress=None) -> Planner:
         key = (problem, frozenset(constants), ilp_time_limit_s)
         planner = self._planners.pop(key, None)
         if planner is None:
-            planner = Planner(problem, constants, ilp_time_limit_s)
+            planner = Planner(problem, constants, ilp_time_limit_s, solved_elsewhere=self.menus)
             planner.prepare(progress)
         self._planners[key] = planner
         while len(self._planners) > self.max_entries:

@@ -19,10 +19,11 @@ from remat_plugin.planning.blocks import (
     glued_values,
     make_blocks,
     rename_schedule,
+    structure_key,
 )
 from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
 from remat_plugin.planning.solvers.greedy_menu import greedy_menu
-from remat_plugin.planning.solvers.ilp import BlockIlp, BlockOption, block_menu, block_option, solve_schedule
+from remat_plugin.planning.solvers.ilp import BlockIlp, BlockOption, block_menu, block_option, pareto, solve_schedule
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class Planner:
     ilps: dict[tuple, BlockIlp] = field(default_factory=dict)  # block key -> its ILP model, for re-solving
     greedy_blocks: list[int] = field(default_factory=list)  # blocks too big for the ILP (NOTE [big blocks])
     lowest: tuple[Schedule, Simulation, ChainPlan] | None = None  # see budget_search.lowest_peak
+    # Menus solved for other problems, by block structure (NOTE [menus across shapes]); shared by a PlannerCache.
+    solved_elsewhere: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] | None = None
+    n_transferred: int = 0  # unique blocks whose menu came from solved_elsewhere
     chosen: list[tuple[Schedule, Simulation, ChainPlan]] = field(default_factory=list)  # plans made, see remember
     notes: list[str] = field(default_factory=list)  # for Plan.notes
 
@@ -76,6 +80,10 @@ class Planner:
         self.n_unique = len(first_of)
 
         def menu_of(b: Block) -> tuple[BlockOption, ...]:
+            known = self.solved_elsewhere.get(structure_key(b.problem)) if self.solved_elsewhere is not None else None
+            if known is not None:
+                self.n_transferred += 1
+                return transferred_menu(*known, b)
             if len(b.fwd_ops) > MAX_ILP_FWD_OPS:
                 return greedy_menu(b.problem)
             grid = _menu_grid(len(b.problem.ops))
@@ -97,6 +105,12 @@ class Planner:
         for b in self.blocks:
             src, menu = solved[b.key]
             self.menus.append(menu if src is b else tuple(_moved(o, src, b) for o in menu))
+        if self.solved_elsewhere is not None:
+            for src, menu in solved.values():
+                self.solved_elsewhere[structure_key(src.problem)] = (src, menu)
+        if self.n_transferred:
+            log.debug("remat_plugin.planning: %d of %d unique blocks took menus solved at other sizes",
+                      self.n_transferred, self.n_unique)
         self.chain = [self._chain_block(b, m) for b, m in zip(self.blocks, self.menus)]
         self.greedy_blocks = [b.index for b in self.blocks if len(b.fwd_ops) > MAX_ILP_FWD_OPS]
         if self.greedy_blocks:
@@ -113,7 +127,9 @@ class Planner:
         """The least-recompute option of block type ``key`` within the budgets (its ILP, built once), or None."""
         block, ilp = self.first_of[key], self.ilps.get(key)
         if ilp is None:
-            return None  # a greedy block: no ILP to refine with
+            if len(block.fwd_ops) > MAX_ILP_FWD_OPS:
+                return None  # a greedy block: no ILP to refine with
+            ilp = self.ilps[key] = BlockIlp.build(block.problem)  # its menu was transferred: built when first needed
         sched = solve_schedule(block.problem, peak_bytes, kept_bytes, self.ilp_time_limit_s, ilp=ilp)
         return None if sched is None else block_option(block.problem, sched)
 
@@ -211,6 +227,23 @@ class Planner:
 
     def min_dp_budget(self) -> int:
         return min_feasible_budget(self.chain, self.n_slots)
+
+
+# NOTE [menus across shapes]
+#     A block's menu is a set of schedules: which forward ops its backward recomputes, and when.
+#     Whether a schedule is valid depends only on the block's structure (structure_key: ops, their
+#     inputs, what stays alive), not on sizes or times.  So a block with the structure of one solved
+#     before (at another batch size, sequence length, or with another output dropped) takes that
+#     menu's schedules, each re-costed by the simulator at its own sizes, instead of solving its ILPs.
+#     All activation sizes scale together with the batch, so the menu stays near the one its ILPs
+#     would give; where it does not (attention grows faster with the sequence), the budget search's
+#     refine step solves the block's ILP at the budget it needs, as for any menu.
+def transferred_menu(source: Block, menu: tuple[BlockOption, ...], target: Block) -> tuple[BlockOption, ...]:
+    """``source``'s menu as ``target``'s: the same options where the blocks are identical, else re-costed."""
+    if source.problem == target.problem:
+        return tuple(_moved(o, source, target) for o in menu)
+    return pareto(block_option(target.problem, rename_schedule(o.schedule, source.problem, target.problem))
+                  for o in menu)
 
 
 def kept_reads(problem: Problem, schedule: Schedule) -> set[str]:

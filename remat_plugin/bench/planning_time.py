@@ -1,12 +1,16 @@
 """Planning-time benchmark: cold planning of a model at two depths, and chain-DP speed.
 
     python -m remat_plugin.bench.planning_time [--model llama-tiny] [--layers 4,16] [--budget 0.5]
+        [--replan 8x128,8x256,16x128]
 
 Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
 menus: capture + profile + every solve.  Each time is split into the plan's stages: export
 (``torch.export``), trace (AOTAutograd's joint graph), profile (op times and scratch), block
-menus (block ILPs), budget search (chain DP and simulator), other (first run, bookkeeping).  The DP is timed on synthetic chains of 14 and
-100 blocks with 10 options each at 500 memory slots.
+menus (block ILPs), budget search (chain DP and simulator), other (first run, metering,
+bookkeeping).  ``--replan`` times plans of new shapes made after a first one in the same
+process (what a training run meets when its batch size or sequence length changes) against
+cold plans of the same shapes.  The DP is timed on synthetic chains of 14 and 100 blocks with
+10 options each at 500 memory slots.
 """
 from __future__ import annotations
 
@@ -18,29 +22,60 @@ import time
 
 import numpy as np
 
-_COLD = """
+_PLANS = """
 import json, sys, time
-t0 = time.perf_counter()
 import torch
 from remat_plugin.bench.models import build
 from remat_plugin.runtime.module import rematerialize
-bench = build({model!r}, n_layer={n_layer})
-args, kwargs = bench.make_batch(0)
-t1 = time.perf_counter()
-rm = rematerialize(bench.module, args, kwargs, budget={budget})
-t2 = time.perf_counter()
-stages = dict(rm.plan.planning_stages)
-stages["other"] = (t2 - t1) - sum(stages.values())  # the first run of the programs, summary, bookkeeping
-print(json.dumps({{"n_layer": {n_layer}, "plan_s": t2 - t1, "blocks": len(rm.plan.blocks),
-                   "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead,
-                   "stages_s": stages}}))
+module = None
+for shape, budget in {plans!r}:
+    bench = build({model!r}, **shape)
+    module = bench.module if module is None else module  # later shapes: the same model, its caches warm
+    args, kwargs = bench.make_batch(0)
+    t1 = time.perf_counter()
+    rm = rematerialize(module, args, kwargs, budget=budget)
+    t2 = time.perf_counter()
+    stages = dict(rm.plan.planning_stages)
+    stages["other"] = (t2 - t1) - sum(stages.values())  # the first run of the programs, metering, bookkeeping
+    print(json.dumps({{"shape": shape, "plan_s": t2 - t1, "blocks": len(rm.plan.blocks),
+                       "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead,
+                       "predicted_ms": rm.plan.predicted_time_ms, "stages_s": stages}}))
 """
 
 
-def cold_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _COLD.format(model=model, n_layer=n_layer, budget=budget_bytes)],
+def plan_in_order(model: str, plans: list[tuple[dict, int]]) -> list[dict]:
+    """Plan ``(shape, budget bytes)`` pairs one after the other in one fresh process; one record each."""
+    out = subprocess.run([sys.executable, "-c", _PLANS.format(model=model, plans=plans)],
                          capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+
+
+def cold_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
+    record = plan_in_order(model, [({"n_layer": n_layer}, budget_bytes)])[0]
+    return {"n_layer": n_layer, **record}
+
+
+def unmodified_peak(model: str, shape: dict) -> int:
+    from remat_plugin.bench.models import build
+    from remat_plugin.runtime.module import rematerialize
+
+    bench = build(model, **shape)
+    args, kwargs = bench.make_batch(0)
+    plan = rematerialize(bench.module, args, kwargs, budget=10**12, verbose=False).plan
+    assert plan is not None
+    return plan.baseline_peak_bytes
+
+
+def replans(model: str, first: dict, others: list[dict], share: float) -> list[dict]:
+    """Each of ``others`` planned right after ``first`` in one process, and cold in its own."""
+    budgets = {json.dumps(s): int(unmodified_peak(model, s) * share) for s in [first, *others]}
+    results = []
+    for shape in others:
+        warm = plan_in_order(model, [(first, budgets[json.dumps(first)]), (shape, budgets[json.dumps(shape)])])[1]
+        cold = plan_in_order(model, [(shape, budgets[json.dumps(shape)])])[0]
+        results.append({"from": first, "to": shape, "replan": warm, "cold": cold,
+                        "predicted_vs_cold": warm["predicted_ms"] / cold["predicted_ms"]})
+    return results
 
 
 def dp_time_ms(n_blocks: int, n_options: int = 10, n_slots: int = 500, repeats: int = 3) -> float:
@@ -69,20 +104,20 @@ def main() -> None:
     parser.add_argument("--model", default="llama-tiny", help="a bench model with an n_layer argument")
     parser.add_argument("--layers", default="4,16", help="the two depths to plan, comma-separated")
     parser.add_argument("--budget", type=float, default=0.5, help="share of each depth's keep-all peak")
+    parser.add_argument("--replan", metavar="B0xS0,B1xS1,...",
+                        help="also time re-plans: the first batch x sequence shape cold, then each other one in the "
+                             "same process (caches warm), against each planned cold (e.g. 8x128,8x256,16x128)")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args()
-    from remat_plugin.bench.models import build
-    from remat_plugin.runtime.module import rematerialize
 
     depths = [int(n) for n in opts.layers.split(",")]
     results: dict = {"model": opts.model, "cold": [], "dp_ms": {}}
     for n_layer in depths:
-        bench = build(opts.model, n_layer=n_layer)
-        args, kwargs = bench.make_batch(0)
-        plan = rematerialize(bench.module, args, kwargs, budget=10**12).plan
-        assert plan is not None
-        base = plan.baseline_peak_bytes
+        base = unmodified_peak(opts.model, {"n_layer": n_layer})
         results["cold"].append(cold_plan(opts.model, n_layer, int(base * opts.budget)))
+    if opts.replan:
+        shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.replan.split(",")]
+        results["replan"] = replans(opts.model, shapes[0], shapes[1:], opts.budget)
     for n in (14, 100):
         results["dp_ms"][n] = dp_time_ms(n)
     for c in results["cold"]:
@@ -93,6 +128,11 @@ def main() -> None:
     print(f"ratio {last['n_layer']} / {first['n_layer']} layers: {last['plan_s'] / first['plan_s']:.2f}x")
     for n, ms in results["dp_ms"].items():
         print(f"chain DP, {n} blocks x 10 options, 500 slots: {ms:.1f} ms")
+    for r in results.get("replan", []):
+        shape = "{batch_size}x{seq_len}"
+        print(f"re-plan {shape.format(**r['from'])} -> {shape.format(**r['to'])}: {r['replan']['plan_s']:.1f} s "
+              f"(cold {r['cold']['plan_s']:.1f} s); predicted step time {r['predicted_vs_cold']:.3f}x the cold plan's")
+        print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in r["replan"]["stages_s"].items()))
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -113,7 +113,8 @@ class BatchSizeSearch:
     """Plans ``module`` at candidate batch sizes from two captured points; see the module docstring."""
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, budget_bytes: int, *, multiple_of: int = 1,
-                 max_val: int | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S):
+                 max_val: int | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
+                 planners: PlannerCache | None = None):
         if multiple_of < 1 or (max_val is not None and max_val < multiple_of):
             raise ValueError(f"remat_plugin.batch_size: need 1 <= multiple_of ({multiple_of}) <= max_val ({max_val})")
         self.budget_bytes = budget_bytes
@@ -125,7 +126,9 @@ class BatchSizeSearch:
         a2, k2 = scale_inputs(args, kwargs, self.b1, self.b2)
         self.p2, _ = capture_problem(module, a2, k2)
         self.cache: dict[int, Candidate] = {}
-        self.planners = PlannerCache()  # block menus are solved at the first size tried, re-costed at the others
+        # Block menus are solved at the first size tried and re-costed at the others (NOTE [menus across
+        # shapes]); given the runtime's cache, the plan of the chosen size takes them too.
+        self.planners = planners if planners is not None else PlannerCache()
 
     def evaluate(self, b: int) -> Candidate:
         """Plan batch size ``b`` (from the two captured points) under the budget."""
@@ -170,12 +173,16 @@ class BatchSizeSearch:
 
 def choose_batch_size(module: nn.Module, args: tuple, kwargs: dict, budget_bytes: int, *, objective: str = "max",
                       multiple_of: int = 1, max_val: int | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
-                      verify: Callable[[int], int] | None = None, max_trials: int = 3) -> BatchSizeChoice:
-    """The batch size for ``budget_bytes``; ``verify(b)`` runs one real step at ``b`` and returns its peak."""
+                      verify: Callable[[int], int] | None = None, max_trials: int = 3,
+                      planners: PlannerCache | None = None) -> BatchSizeChoice:
+    """The batch size for ``budget_bytes``; ``verify(b)`` runs one real step at ``b`` and returns its peak.
+
+    ``planners``: the runtime's prepared planners and menus, so the chosen size's own plan reuses the search's.
+    """
     if objective not in OBJECTIVES:
         raise ValueError(f"remat_plugin.batch_size: objective {objective!r} is not one of {OBJECTIVES}")
     search = BatchSizeSearch(module, args, kwargs, budget_bytes, multiple_of=multiple_of, max_val=max_val,
-                             ilp_time_limit_s=ilp_time_limit_s)
+                             ilp_time_limit_s=ilp_time_limit_s, planners=planners)
     chosen, nxt = search.largest_fitting()
     if objective == "throughput":
         chosen = search.fastest(chosen.batch_size)

@@ -94,7 +94,8 @@ def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSi
         with session.bypassed():  # the search captures the module itself
             return choose_batch_size(session.module, args, kwargs, budget, objective=objective,
                                      multiple_of=multiple_of, max_val=config.max_val,
-                                     ilp_time_limit_s=config.ilp_time_limit_s)
+                                     ilp_time_limit_s=config.ilp_time_limit_s,
+                                     planners=session.resolver.caches.planners)
 
     choice = dist.from_rank_zero(search, "searching the batch size")
     size, trials, peak = choice.batch_size, 0, 0

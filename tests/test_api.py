@@ -250,12 +250,16 @@ def test_smaller_shapes_replay_a_covering_plan_larger_ones_plan_anew():
     rm = rematerialize(bench.module, (x, y), budget=int(plain_peak * 0.7))
     solved = rm.plan
     assert solved is not None and solved.planning_s > 0 and rm.problem is not None
+    stages = dict(solved.planning_stages)  # where the time went, for the summary and the planning benchmark
+    assert list(stages) == ["export", "trace", "profile", "block menus", "budget search"]
+    assert all(s >= 0 for s in stages.values()) and stages["profile"] + stages["block menus"] <= solved.planning_s
     torch.manual_seed(1)
     rm(x[:100], y[:100]).backward()
     torch.manual_seed(1)
     ref.module(x[:100], y[:100]).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(bench.module.parameters(), ref.module.parameters()))
     assert rm.plan.schedule == solved.schedule and rm.plan.planning_s == 0.0 and rm.problem is None  # replayed
+    assert rm.plan.planning_stages == ()
     assert rm.plan.predicted_peak_bytes < solved.predicted_peak_bytes  # re-simulated at the smaller sizes
     big = (torch.cat([x, x[:44]]), torch.cat([y, y[:44]]))
     rm(*big).backward()

@@ -224,7 +224,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
         if sim.peak_bytes > usable:
             raise PlanMismatch(f"predicted peak {human_bytes(sim.peak_bytes)} exceeds {human_bytes(usable)}")
         step.plan = dataclasses.replace(plan, predicted_peak_bytes=sim.peak_bytes, planning_s=0.0,
-                                        signature=call.key)
+                                        signature=call.key, planning_stages=())
         step.checked = True
         return emit_programs(joint, Schedule(plan.schedule))
 

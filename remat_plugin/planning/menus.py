@@ -79,11 +79,14 @@ class Planner:
             first_of.setdefault(b.key, b)
         self.n_unique = len(first_of)
 
+        elsewhere = self.solved_elsewhere if self.solved_elsewhere is not None else {}
+        known = {key: elsewhere.get(structure_key(b.problem)) for key, b in first_of.items()}
+        self.n_transferred = sum(k is not None for k in known.values())
+
         def menu_of(b: Block) -> tuple[BlockOption, ...]:
-            known = self.solved_elsewhere.get(structure_key(b.problem)) if self.solved_elsewhere is not None else None
-            if known is not None:
-                self.n_transferred += 1
-                return transferred_menu(*known, b)
+            source = known[b.key]
+            if source is not None:
+                return transferred_menu(*source, b)
             if len(b.fwd_ops) > MAX_ILP_FWD_OPS:
                 return greedy_menu(b.problem)
             grid = _menu_grid(len(b.problem.ops))

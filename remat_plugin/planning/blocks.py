@@ -51,8 +51,13 @@ class Block:
     input_value: str | None  # x_i (None for the first block)
     output_value: str | None  # x_{i+1} (None for the last block)
     problem: Problem  # the block alone: values from outside are external
-    key: tuple  # equal keys = identical blocks (solved once)
+    key: tuple  # (structure_key, costs): equal keys = identical blocks (solved once)
     side_bytes: int = 0  # bytes made outside the block (side values, constants, skipping gradients) alive meanwhile
+
+    @property
+    def structure(self) -> tuple:
+        """The block's :func:`structure_key` (the first part of its key)."""
+        return self.key[0]
 
 
 @dataclass(frozen=True)
@@ -284,29 +289,24 @@ def structure_key(problem: Problem) -> tuple:
         for j, v in enumerate(o.outputs):
             index[v] = (i, j)
     return tuple(
-        (re.sub(r"_\d+", "", o.name), o.is_fwd, o.recomputable, tuple(index[v] for v in o.inputs),
-         tuple(v in problem.live_out for v in o.outputs))
+        (
+            re.sub(r"_\d+", "", o.name),  # fx names ops after their target: "addmm_3" is an addmm
+            o.is_fwd,
+            o.recomputable,
+            tuple(index[v] for v in o.inputs),
+            tuple(v in problem.live_out for v in o.outputs),
+        )
         for o in problem.ops
     )
 
 
 def _canonical_key(problem: Problem) -> tuple:
-    index = {}
-    for i, o in enumerate(problem.ops):
-        for j, v in enumerate(o.outputs):
-            index[v] = (i, j)
-    return tuple(
-        (
-            re.sub(r"_\d+", "", o.name),  # fx names ops after their target: "addmm_3" is an addmm
-            o.is_fwd,
-            o.recomputable,
-            round(o.time_ms, 6),
-            o.temp_bytes,
-            tuple(index[v] for v in o.inputs),
-            tuple((problem.value(v).size_bytes, v in problem.live_out) for v in o.outputs),
-        )
+    """The structure and every cost: blocks with equal keys are identical (one menu serves both)."""
+    costs = tuple(
+        (round(o.time_ms, 6), o.temp_bytes, tuple(problem.value(v).size_bytes for v in o.outputs))
         for o in problem.ops
     )
+    return structure_key(problem), costs
 
 
 def rename_schedule(schedule: Schedule, source: Problem, target: Problem) -> Schedule:

@@ -25,8 +25,10 @@ def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simu
     The DP rounds sizes up and sees blocks alone, so its own budget is only a knob:
     a little above the real budget often still fits once simulated, and below it the
     overshoot tells how far to step down.  The knob is turned down from the top and the
-    first schedule that fits is taken: a smaller DP budget only shrinks the DP's choices, so
-    its schedules are no faster (times are exact sums of op times; only sizes are rounded).
+    first schedule that fits is taken: a smaller DP budget mostly only shrinks the DP's
+    choices, so its schedules are no faster.  Not exactly (slots are a share of the DP budget,
+    so sizes round differently at each one), but on 6 models x 6 budgets this took the same
+    plans as weighing every factor.
     """
     for factor in (1.5, 1.35, 1.25, 1.18, 1.12, 1.08, 1.05, 1.02):
         found = planner.try_budget(int(budget_bytes * factor))

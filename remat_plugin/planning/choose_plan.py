@@ -126,8 +126,8 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     schedule, sim, cp = chosen
     if cp is not None:
         planner.remember((schedule, sim, cp))
-    if cp is not None and (planner.lowest is None or sim.peak_bytes < planner.lowest[1].peak_bytes):
-        planner.lowest = (schedule, sim, cp)  # the search found a lower peak than the DP's least budget
+        if planner.lowest is None or sim.peak_bytes < planner.lowest[1].peak_bytes:
+            planner.lowest = (schedule, sim, cp)  # the search found a lower peak than the DP's least budget
     min_feasible = min(min_feasible, needed(sim.peak_bytes))
     blocks = _block_choices(planner, cp, schedule)
     plan = Plan(

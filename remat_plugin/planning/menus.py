@@ -19,7 +19,6 @@ from remat_plugin.planning.blocks import (
     glued_values,
     make_blocks,
     rename_schedule,
-    structure_key,
 )
 from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
 from remat_plugin.planning.solvers.greedy_menu import greedy_menu
@@ -80,7 +79,7 @@ class Planner:
         self.n_unique = len(first_of)
 
         elsewhere = self.solved_elsewhere if self.solved_elsewhere is not None else {}
-        known = {key: elsewhere.get(structure_key(b.problem)) for key, b in first_of.items()}
+        known = {key: elsewhere.get(b.structure) for key, b in first_of.items()}
         self.n_transferred = sum(k is not None for k in known.values())
 
         def menu_of(b: Block) -> tuple[BlockOption, ...]:
@@ -110,7 +109,7 @@ class Planner:
             self.menus.append(menu if src is b else tuple(_moved(o, src, b) for o in menu))
         if self.solved_elsewhere is not None:
             for src, menu in solved.values():
-                self.solved_elsewhere[structure_key(src.problem)] = (src, menu)
+                self.solved_elsewhere[src.structure] = (src, menu)
         if self.n_transferred:
             log.debug("remat_plugin.planning: %d of %d unique blocks took menus solved at other sizes",
                       self.n_transferred, self.n_unique)

@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compare"]:
         return compare_main(argv[1:])
+    if argv[:1] == ["ddp-overlap"]:  # segmented backward against one node under 2-process DDP
+        from remat_plugin.bench.ddp_overlap import main as ddp_overlap_main
+
+        ddp_overlap_main(argv[1:])
+        return 0
     if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
         from remat_plugin.bench.batch_size_bench import main as batch_size_main
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.joint import JointGraph
+from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, ordered_first_call
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
@@ -144,6 +145,9 @@ class ExecutionOptions:
 
     backward_autocast: bool = False  # the caller's backward() runs inside its autocast block (traced_like_eager)
     compile: bool = False  # the programs run as inductor kernels (NOTE [compiled programs])
+    # Eager backward in up to this many autograd nodes, releasing gradients as it goes (NOTE [segmented backward]);
+    # 1: one node, every gradient at the end.  Compiled programs always run as one node.
+    backward_segments: int = MAX_SEGMENTS
 
 
 EAGER = ExecutionOptions()
@@ -163,15 +167,23 @@ class CompiledStep:
     traced: bool = False
     options: ExecutionOptions = EAGER  # where the caller's backward() runs (traced_like_eager), compiled or not
     programs: list[Callable] = field(default_factory=list)  # the forward and backward programs, once traced
+    backward: SegmentedBackward | None = None  # the eager backward program, once built (NOTE [segmented backward])
     trace_started: float | None = None  # time.perf_counter() as the first call began tracing
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
-        inputs = (*self.params, *(leaves[i] for i in self.tensor_positions))
+        inputs: list = [*self.params, *(leaves[i] for i in self.tensor_positions)]
         if self.traced:
+            call = None
+            if self.backward is not None and torch.is_grad_enabled():
+                inputs, call = self.backward.wire(inputs)
             flat_out = self.fn(*inputs)
+            if call is not None:
+                SegmentedBackward.attach(call, flat_out)
         else:
             self.trace_started = time.perf_counter()
+            if self.options.backward_segments > 1 and not self.options.compile and torch.is_grad_enabled():
+                inputs = ordered_first_call(inputs)  # NOTE [first call order]
             with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
                 flat_out = self.fn(*inputs)
             self.traced = True
@@ -239,6 +251,13 @@ def build_step(
         joint.real_inputs = {n.name: t for n, t in zip(primals, flat_inputs)}
         return emit(joint)
 
+    def backward_program(gm_, example):
+        if options.compile:
+            return boxed(gm_, example)
+        step.backward = SegmentedBackward(gm_, options.backward_segments)
+        step.programs.append(step.backward)
+        return step.backward
+
     def boxed(gm_, _example):
         if options.compile:
             program: Callable = compile_program(gm_)
@@ -257,5 +276,5 @@ def build_step(
 
     # enable_log=False: AOTAutograd would otherwise print the whole joint and fw/bw graphs to strings for its
     # structured log at every capture (0.3-0.7 s on a 4-16-layer Llama), whether or not anyone reads the log.
-    step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition_fn, enable_log=False)
+    step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=backward_program, partition_fn=partition_fn, enable_log=False)
     return step

@@ -71,7 +71,7 @@ def _overlap_worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     result = {}
     for mode in ("plain", "one node", "segmented"):
-        bench = build("gpt2-tiny", n_layer=3, batch_size=2, seq_len=64, dtype=torch.float64)
+        bench = build("gpt2-tiny", n_layer=3, batch_size=4, seq_len=128, dtype=torch.float64)
         args, kwargs = bench.make_batch(rank)
         module = bench.module
         if mode != "plain":
@@ -100,7 +100,8 @@ def _overlap_worker(rank: int, port: int, out_dir: str) -> None:
             with counter:
                 loss.backward()
         result[mode] = {"grads": [p.grad.clone() for p in bench.module.parameters()],
-                        "first_bucket": handed[0] / counter.n, "buckets": len(handed)}
+                        "first_bucket": handed[0] / counter.n, "buckets": len(handed),
+                        "segments": module._resolver.latest.run.backward.n_segments if mode != "plain" else 0}
     torch.save(result, os.path.join(out_dir, f"overlap{rank}.pt"))
     dist.destroy_process_group()
 
@@ -113,6 +114,6 @@ def test_ddp_buckets_all_reduce_while_the_backward_runs(tmp_path):
         r = torch.load(tmp_path / f"overlap{rank}.pt")
         for mode in ("one node", "segmented"):
             assert all(torch.equal(a, b) for a, b in zip(r["plain"]["grads"], r[mode]["grads"])), mode
-        assert r["segmented"]["buckets"] > 2
+        assert r["segmented"]["buckets"] > 2 and r["segmented"]["segments"] >= 4, r["segmented"]
         assert r["segmented"]["first_bucket"] < 0.5, r["segmented"]
         assert r["one node"]["first_bucket"] == 1.0, r["one node"]  # after the backward's last matrix product

@@ -1,7 +1,7 @@
 """DDP step time with the planned backward released in segments against the same plan run as one node.
 
     python -m remat_plugin.bench ddp-overlap [--model gpt2-tiny] [--budget 0.5] [--bucket-cap-mb 25,4]
-        [--pairs 9] [--json results/ddp_overlap_cpu.json]
+        [--batch-size B] [--seq-len S] [--pairs 9] [--json results/ddp_overlap_cpu.json]
 
 Two processes (gloo on CPU, one thread each) train two copies of the model under
 DistributedDataParallel: one rematerialized with the segmented backward (NOTE [segmented
@@ -46,12 +46,13 @@ def _worker(rank: int, port: int, opts: dict, out: str) -> None:
     for cap in opts["caps"]:
         models, benches = {}, {}
         for mode in MODES:
-            bench = build(opts["model"])
+            bench = build(opts["model"], **opts["shape"])
             args, kwargs = bench.make_batch(rank)
             probe = RematModule(bench.module, budget=10**12, verbose=False)
             probe(*args, **kwargs)
-            peak = probe._resolver.current_plan.baseline_peak_bytes
-            module = RematModule(bench.module, budget=int(peak * opts["budget"]), verbose=False)
+            plan = probe._resolver.current_plan
+            floor, peak = plan.min_feasible_bytes, plan.baseline_peak_bytes
+            module = RematModule(bench.module, budget=int(floor + opts["budget"] * (peak - floor)), verbose=False)
             if mode == "one node":
                 module._resolver.execution = dataclasses.replace(module._resolver.execution, backward_segments=1)
             models[mode], benches[mode] = DDP(module, bucket_cap_mb=cap), (bench, args, kwargs)
@@ -91,27 +92,30 @@ def _worker(rank: int, port: int, opts: dict, out: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-tiny")
-    parser.add_argument("--budget", type=float, default=0.5, help="share of the unmodified step's peak")
+    parser.add_argument("--budget", type=float, default=0.5, help="where the budget lies from the smallest feasible one (0) to the unmodified step's peak (1)")
     parser.add_argument("--bucket-cap-mb", default="25,4", help="DDP bucket sizes to run, comma-separated")
+    parser.add_argument("--batch-size", type=int, help="the model's own default when left out")
+    parser.add_argument("--seq-len", type=int, help="the model's own default when left out")
     parser.add_argument("--pairs", type=int, default=9)
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
     caps = [float(c) for c in opts.bucket_cap_mb.split(",")]
+    shape = {k: v for k, v in (("batch_size", opts.batch_size), ("seq_len", opts.seq_len)) if v is not None}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         mp.spawn(_worker, args=(_free_port(), {"model": opts.model, "budget": opts.budget, "caps": caps,
-                                               "pairs": opts.pairs}, out), nprocs=2, join=True)
+                                               "pairs": opts.pairs, "shape": shape}, out), nprocs=2, join=True)
         with open(out) as f:
             results = json.load(f)
     for cap, r in results.items():
         seg, one = r["median_s"]["segmented"], r["median_s"]["one node"]
-        print(f"{opts.model}, 2 processes (gloo), bucket_cap_mb={cap}, budget {opts.budget} of the peak "
+        print(f"{opts.model} {shape or ''}, 2 processes (gloo), bucket_cap_mb={cap}, budget {opts.budget} of the way from the floor to the peak "
               f"(predicted overhead {r['plan_overhead']:.2f}x): step {seg * 1e3:.0f} ms segmented, {one * 1e3:.0f} ms "
               f"one node ({seg / one - 1:+.1%}); one all-reduce of the {r['grad_mib']:.1f} MiB of gradients alone "
               f"{r['allreduce_s'] * 1e3:.0f} ms ({opts.pairs} interleaved pairs, medians)")
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"model": opts.model, "budget": opts.budget, "pairs": opts.pairs, "results": results}, f, indent=1)
+            json.dump({"model": opts.model, "shape": shape, "budget": opts.budget, "pairs": opts.pairs, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ the same points as the one program did, so the plan's memory model still holds.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from remat_plugin.torch_private import BoxedCodeGen, any_autocast_enabled, autoc
 # At most this many autograd nodes per backward: each release costs a Python call (~30 us), and DDP's buckets
 # (25 MiB by default) gain nothing from finer steps.
 MAX_SEGMENTS = 8
+MS_PER_SEGMENT = 10.0  # a segment per this much measured backward time, up to MAX_SEGMENTS
 
 _current = threading.local()  # the call whose AOTAutograd node is about to run its backward (set by its pre-hook)
 
@@ -51,6 +53,7 @@ class _Call:
     """One forward call's backward in flight: what segment ``next_segment`` needs to start."""
 
     backward: SegmentedBackward
+    split: _Split  # the cuts it was wired with
     carry: list | None = None  # values alive across the last cut run
     next_segment: int = 0
     autocast: bool = False  # autocast was on inside AOTAutograd's backward (it disables it where it traced without)
@@ -111,25 +114,17 @@ def _views_early(body: list[fx.Node], placeholders: list[fx.Node]) -> list[fx.No
     return order
 
 
-class SegmentedBackward:
-    """A boxed backward program (AOTAutograd's calling convention) split into segment programs.
+class _Split:
+    """The backward program cut into at most ``max_segments`` segment programs (fixed once made)."""
 
-    Called by AOTAutograd with (saved values + tangents): runs segment 0 only when a wired call's
-    pre-hook announced it (the rest runs in that call's :class:`_ReleaseSegment` nodes), else every
-    segment in turn, returning all gradients as the one program did.
-    """
-
-    _boxed_call = True  # AOTAutograd passes the argument list itself, which each program clears as it reads
-
-    def __init__(self, gm: fx.GraphModule, max_segments: int = MAX_SEGMENTS):
+    def __init__(self, gm: fx.GraphModule, max_segments: int):
         graph = gm.graph
         placeholders = list(graph.find_nodes(op="placeholder"))
         out_node = next(n for n in graph.nodes if n.op == "output")
         outputs = list(out_node.args[0])
         body = _views_early([n for n in graph.nodes if n.op not in ("placeholder", "output")], placeholders)
         grad_nodes = {g for g in outputs if isinstance(g, fx.Node) and g.op != "placeholder"}
-        cuts = _cuts(body, grad_nodes, max_segments)
-        bounds = [0, *cuts, len(body)]
+        bounds = [0, *_cuts(body, grad_nodes, max_segments), len(body)]
         self.n_outputs = len(outputs)
         segment_of_node: dict[fx.Node, int] = {p: 0 for p in placeholders}
         for s in range(len(bounds) - 1):
@@ -137,8 +132,8 @@ class SegmentedBackward:
                 segment_of_node[n] = s
         self.n_segments = len(bounds) - 1
         # Output position -> the segment that returns it (None gradients and placeholders: segment 0).
-        self.segment_of_output = [segment_of_node[g] if isinstance(g, fx.Node) else 0 for g in outputs]
-        self.positions = [[i for i, s in enumerate(self.segment_of_output) if s == k] for k in range(self.n_segments)]
+        of_output = [segment_of_node[g] if isinstance(g, fx.Node) else 0 for g in outputs]
+        self.positions = [[i for i, s in enumerate(of_output) if s == k] for k in range(self.n_segments)]
         last_use = dict.fromkeys(segment_of_node, -1)
         for n in body:
             for a in n.all_input_nodes:
@@ -148,63 +143,97 @@ class SegmentedBackward:
         carry_in: list[fx.Node] = placeholders
         for s in range(self.n_segments):
             carry_out = sorted((n for n in order if segment_of_node[n] <= s < last_use[n]), key=order.__getitem__)
-            self.programs.append(self._segment_program(gm, carry_in, body[bounds[s]:bounds[s + 1]],
-                                                       [outputs[i] for i in self.positions[s]], carry_out))
+            self.programs.append(_segment_program(gm, carry_in, body[bounds[s]:bounds[s + 1]],
+                                                  [outputs[i] for i in self.positions[s]], carry_out))
             carry_in = carry_out
 
-    @staticmethod
-    def _segment_program(gm: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
-                         grads: list, carry_out: list[fx.Node]) -> Callable:
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for n in inputs:
-            new = graph.placeholder(n.name)
-            new.meta = dict(n.meta)
-            env[n] = new
-        for n in nodes:
-            env[n] = graph.node_copy(n, env.__getitem__)
-        graph.output(tuple(env[g] if isinstance(g, fx.Node) else g for g in grads) + tuple(env[n] for n in carry_out))
-        graph.set_codegen(BoxedCodeGen())  # each value freed after its last use, the argument list cleared
-        return fx.GraphModule(gm, graph)
-
-    def _run(self, s: int, args: list) -> tuple[tuple, list]:
+    def run(self, s: int, args: list) -> tuple[tuple, list]:
+        """Segment ``s`` on ``args`` (cleared): its gradients (``positions[s]``) and the values it carries on."""
         out = self.programs[s](args)
         k = len(self.positions[s])
         return tuple(out[:k]), list(out[k:])
-
-    def __call__(self, args: list) -> tuple:
-        call = getattr(_current, "call", None)
-        _current.call = None
-        grads: list = [None] * self.n_outputs
-        if call is not None and call.backward is self:
-            made, call.carry = self._run(0, args)
-            call.next_segment, call.autocast = 1, any_autocast_enabled()
-            for pos, g in zip(self.positions[0], made):
-                grads[pos] = g
-            return tuple(grads)
-        return self.run_whole(args)  # a call that was not wired (nothing to release early)
 
     def run_whole(self, args: list) -> tuple:
         grads: list = [None] * self.n_outputs
         carry = args
         for s in range(self.n_segments):
-            made, carry = self._run(s, carry)
+            made, carry = self.run(s, carry)
             for pos, g in zip(self.positions[s], made):
                 grads[pos] = g
         return tuple(grads)
+
+
+def _segment_program(gm: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node], grads: list,
+                     carry_out: list[fx.Node]) -> Callable:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        new = graph.placeholder(n.name)
+        new.meta = dict(n.meta)
+        env[n] = new
+    for n in nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(tuple(env[g] if isinstance(g, fx.Node) else g for g in grads) + tuple(env[n] for n in carry_out))
+    graph.set_codegen(BoxedCodeGen())  # each value freed after its last use, the argument list cleared
+    return fx.GraphModule(gm, graph)
+
+
+class SegmentedBackward:
+    """A boxed backward program (AOTAutograd's calling convention), split into segment programs.
+
+    Called by AOTAutograd with (saved values + tangents): runs segment 0 only when a wired call's
+    pre-hook announced it (the rest runs in that call's :class:`_ReleaseSegment` nodes), else every
+    segment in turn, returning all gradients as the one program did.  The first whole run is timed
+    and sets how many segments later calls get: about one per :data:`MS_PER_SEGMENT` of backward,
+    so the release nodes' own cost (~0.15 ms each on CPU) stays near 1% of the backward.
+    """
+
+    _boxed_call = True  # AOTAutograd passes the argument list itself, which each program clears as it reads
+
+    def __init__(self, gm: fx.GraphModule, max_segments: int = MAX_SEGMENTS):
+        self.gm = gm
+        self.max_segments = max_segments
+        self.split = _Split(gm, max_segments)
+        self.timed = max_segments < 2
+
+    @property
+    def n_segments(self) -> int:
+        return self.split.n_segments
+
+    def __call__(self, args: list) -> tuple:
+        call = getattr(_current, "call", None)
+        _current.call = None
+        if call is not None and call.backward is self:
+            split = call.split
+            grads: list = [None] * split.n_outputs
+            made, call.carry = split.run(0, args)
+            call.next_segment, call.autocast = 1, any_autocast_enabled()
+            for pos, g in zip(split.positions[0], made):
+                grads[pos] = g
+            return tuple(grads)
+        if self.timed:  # a call that was not wired (nothing to release early)
+            return self.split.run_whole(args)
+        t0 = time.perf_counter()
+        out = self.split.run_whole(args)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.timed = True
+        wanted = max(1, min(self.max_segments, int(ms / MS_PER_SEGMENT)))
+        if wanted < self.split.n_segments:  # calls wired before keep the split they were wired with
+            self.split = _Split(self.gm, wanted)
+        return out
 
     def run_later(self, call: _Call, s: int) -> tuple:
         """Segment ``s`` of ``call``'s backward (from its :class:`_ReleaseSegment` node)."""
         if call.carry is None or call.next_segment != s:
             raise SegmentError(
-                f"remat_plugin.execute: the planned backward reached segment {s} of {self.n_segments} before segment "
-                f"{s - 1} ran (the autograd engine ran this step's nodes out of order). Report this with your model; "
-                "RematConfig(...) cannot work around it")
+                f"remat_plugin.execute: the planned backward reached segment {s} of {call.split.n_segments} before "
+                f"segment {s - 1} ran (the autograd engine ran this step's nodes out of order). Report this with your "
+                "model; RematConfig(...) cannot work around it")
         carry, call.carry = call.carry, None
         with nullcontext() if call.autocast else autocast_disabled():
-            made, call.carry = self._run(s, carry)
+            made, call.carry = call.split.run(s, carry)
         call.next_segment = s + 1
-        if s == self.n_segments - 1:
+        if s == call.split.n_segments - 1:
             call.carry = None
         return made
 
@@ -213,20 +242,21 @@ class SegmentedBackward:
         """``inputs`` rerouted through a release chain for one call, and its :class:`_Call`; or as they are and None
         when there is nothing to release early (then the backward runs whole)."""
         inputs = list(inputs)
-        if self.n_segments < 2 or len(inputs) != self.n_outputs:
+        split = self.split
+        if split.n_segments < 2 or len(inputs) != split.n_outputs:
             return inputs, None
         wants = [isinstance(t, torch.Tensor) and t.requires_grad for t in inputs]
         differentiable = [id(t) for t, w in zip(inputs, wants) if w]
         if len(set(differentiable)) != len(differentiable):  # one tensor passed twice: its gradient has two parts
             return inputs, None
-        anchor = next((i for i in self.positions[0] if wants[i]), None)
-        if anchor is None or not any(wants[i] for s in range(1, self.n_segments) for i in self.positions[s]):
+        anchor = next((i for i in split.positions[0] if wants[i]), None)
+        if anchor is None or not any(wants[i] for s in range(1, split.n_segments) for i in split.positions[s]):
             return inputs, None
-        call = _Call(self)
+        call = _Call(self, split)
         token = None
-        for s in range(self.n_segments - 1, 0, -1):
-            mine = [i for i in self.positions[s] if wants[i]]
-            token = _ReleaseSegment.apply(call, s, [self.positions[s].index(i) for i in mine], token,
+        for s in range(split.n_segments - 1, 0, -1):
+            mine = [i for i in split.positions[s] if wants[i]]
+            token = _ReleaseSegment.apply(call, s, [split.positions[s].index(i) for i in mine], token,
                                           *(inputs[i] for i in mine))
             for i in mine:
                 inputs[i] = inputs[i].detach()

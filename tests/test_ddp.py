@@ -1,4 +1,5 @@
 """The rewritten module under DistributedDataParallel (2 CPU processes, gloo): DDP's gradient hooks fire."""
+import gc
 import os
 import socket
 
@@ -38,6 +39,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         grads[use_remat] = [p.grad.clone() for p in bench.module.parameters()]
     same = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
     torch.save({"same": same, "first": grads[True][0]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    del model, module  # DDP's reducer goes while the process group is alive (gloo can hang destroying it after)
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -103,6 +106,8 @@ def _overlap_worker(rank: int, port: int, out_dir: str) -> None:
                         "first_bucket": handed[0] / counter.n, "buckets": len(handed),
                         "segments": module._resolver.latest.run.backward.n_segments if mode != "plain" else 0}
     torch.save(result, os.path.join(out_dir, f"overlap{rank}.pt"))
+    del model, module  # DDP's reducer goes while the process group is alive (gloo can hang destroying it after)
+    gc.collect()
     dist.destroy_process_group()
 
 

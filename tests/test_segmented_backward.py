@@ -58,7 +58,7 @@ def _step(bench, model, args, kwargs, seed=1):
         loss.backward()
     for h in hooks:
         h.remove()
-    return {n: p.grad.clone() for n, p in bench.module.named_parameters()}, fired, counter.n
+    return {n: p.grad.clone() for n, p in bench.module.named_parameters() if p.grad is not None}, fired, counter.n
 
 
 def _eager_grads(bench, args, kwargs):
@@ -159,3 +159,18 @@ def test_frozen_parameters_and_input_gradients():
     finally:
         for p in frozen:
             p.requires_grad_(True)
+
+
+def test_unused_parameter_keeps_no_gradient():
+    """A parameter the step never reads (registered first, so it leads segment 0's inputs) keeps ``.grad`` None."""
+    bench, args, kwargs = _model(n_layer=3)
+    unused = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    bench.module.transformer.register_parameter("unused", unused)
+    expected = _eager_grads(bench, args, kwargs)
+    assert unused.grad is None
+    rm = _rematted(bench, args, kwargs)
+    for _ in range(3):
+        grads, _fired, _total = _step(bench, rm, args, kwargs)
+        assert unused.grad is None
+        _assert_same(grads, expected)
+    assert rm._resolver.latest.run.backward.n_segments > 1

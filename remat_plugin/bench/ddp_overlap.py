@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -35,6 +36,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _step(model: DDP, bench, args: tuple, kwargs: dict) -> float:
+    bench.module.zero_grad(set_to_none=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    bench.loss(model(*args, **kwargs)).backward()  # DDP waits for its all-reduces at the end
+    return time.perf_counter() - t0
+
+
 def _worker(rank: int, port: int, opts: dict, out: str) -> None:
     from remat_plugin.bench.models import build
     from remat_plugin.runtime.module import RematModule
@@ -51,27 +60,20 @@ def _worker(rank: int, port: int, opts: dict, out: str) -> None:
             probe = RematModule(bench.module, budget=10**12, verbose=False)
             probe(*args, **kwargs)
             plan = probe._resolver.current_plan
+            assert plan is not None
             floor, peak = plan.min_feasible_bytes, plan.baseline_peak_bytes
             module = RematModule(bench.module, budget=int(floor + opts["budget"] * (peak - floor)), verbose=False)
             if mode == "one node":
                 module._resolver.execution = dataclasses.replace(module._resolver.execution, backward_segments=1)
             models[mode], benches[mode] = DDP(module, bucket_cap_mb=cap), (bench, args, kwargs)
 
-        def step(mode: str) -> float:
-            bench, args, kwargs = benches[mode]
-            bench.module.zero_grad(set_to_none=True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            bench.loss(models[mode](*args, **kwargs)).backward()  # DDP waits for its all-reduces at the end
-            return time.perf_counter() - t0
-
         for _ in range(3):  # plan, re-plan for the dropped logits, first replay
             for mode in MODES:
-                step(mode)
+                _step(models[mode], *benches[mode])
         times: dict[str, list[float]] = {m: [] for m in MODES}
         for k in range(opts["pairs"]):
             for mode in (MODES if k % 2 == 0 else MODES[::-1]):
-                times[mode].append(step(mode))
+                times[mode].append(_step(models[mode], *benches[mode]))
         grads = [p.grad for p in benches["segmented"][0].module.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         comm = []
@@ -83,6 +85,9 @@ def _worker(rank: int, port: int, opts: dict, out: str) -> None:
         results[str(cap)] = {"median_s": {m: statistics.median(v) for m, v in times.items()}, "times_s": times,
                              "allreduce_s": statistics.median(comm), "grad_mib": flat.numel() * flat.element_size() / 2**20,
                              "plan_overhead": models["segmented"].module._resolver.current_plan.predicted_overhead}
+        # DDP's reducers go while the process group is alive: destroyed after it, gloo can hang in their destructor.
+        del models, benches, grads, flat
+        gc.collect()
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -134,6 +134,7 @@ class _Split:
         # Output position -> the segment that returns it (None gradients and placeholders: segment 0).
         of_output = [segment_of_node[g] if isinstance(g, fx.Node) else 0 for g in outputs]
         self.positions = [[i for i, s in enumerate(of_output) if s == k] for k in range(self.n_segments)]
+        self.made = {i for i, g in enumerate(outputs) if isinstance(g, fx.Node)}  # inputs that get a gradient
         last_use = dict.fromkeys(segment_of_node, -1)
         for n in body:
             for a in n.all_input_nodes:
@@ -249,7 +250,9 @@ class SegmentedBackward:
         differentiable = [id(t) for t, w in zip(inputs, wants) if w]
         if len(set(differentiable)) != len(differentiable):  # one tensor passed twice: its gradient has two parts
             return inputs, None
-        anchor = next((i for i in split.positions[0] if wants[i]), None)
+        # The anchor's gradient starts the chain: one segment 0 makes (an unused parameter's None would reach its
+        # Link node as zeros, and ``.grad`` would get them).
+        anchor = next((i for i in split.positions[0] if wants[i] and i in split.made), None)
         if anchor is None or not any(wants[i] for s in range(1, split.n_segments) for i in split.positions[s]):
             return inputs, None
         call = _Call(self, split)

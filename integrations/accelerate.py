@@ -122,6 +122,8 @@ class RematPlugin:
     verbose: bool | None = None
     # Run the planned step as inductor kernels (REMAT_COMPILE); None: False.
     compile: bool | None = None
+    # Gradients handed to autograd in up to this many steps of the backward (REMAT_BACKWARD_SEGMENTS); None: 8.
+    backward_segments: int | None = None
 
     def __post_init__(self) -> None:
         explicit = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}

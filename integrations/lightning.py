@@ -28,6 +28,7 @@ from torch import nn
 
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
+from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import OptionError, RematError, human_bytes
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
@@ -99,16 +100,19 @@ class AutoRemat(pl.Callback):
         multiple_of, max_val: the chosen batch size is a multiple of ``multiple_of``, at most ``max_val``.
         verbose: a progress bar while a plan is made (on a terminal) and, through Lightning's logger on
             rank 0, what is rewritten and one line per new plan; False: warnings only.
+        backward_segments: the planned backward hands autograd its gradients in up to this many steps, so
+            DDP's buckets all-reduce while it still computes; 1: all at the end, in one autograd node.
     """
 
     def __init__(self, budget: int | str = "80%", module: str | None = None, *, seq_bucket: BucketPolicy = "pow2",
                  cache_dir: str | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, auto_batch_size: bool | str = False,
                  batch_arg_name: str = "batch_size", multiple_of: int = 1, max_val: int | None = None,
-                 verbose: bool = True, compile: bool = False):
+                 verbose: bool = True, compile: bool = False, backward_segments: int = MAX_SEGMENTS):
         try:  # every option is checked now, not at the first batch
             self.config = RematConfig(budget=budget, seq_bucket=seq_bucket, cache_dir=cache_dir,
                                       ilp_time_limit_s=ilp_time_limit_s, auto_batch_size=auto_batch_size,
-                                      multiple_of=multiple_of, max_val=max_val, verbose=verbose, compile=compile)
+                                      multiple_of=multiple_of, max_val=max_val, verbose=verbose, compile=compile,
+                                      backward_segments=backward_segments)
         except OptionError as exc:
             raise exc.restated(stage="AutoRemat") from None
         self.module_name = module

@@ -54,8 +54,6 @@ def test_ddp_gradients_equal_plain_ddp(tmp_path):
 
 def _overlap_worker(rank: int, port: int, out_dir: str) -> None:
     """Per mode: DDP's gradients (vs plain DDP) and how far the backward was when DDP's first bucket was handed over."""
-    import dataclasses
-
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -82,9 +80,7 @@ def _overlap_worker(rank: int, port: int, out_dir: str) -> None:
             module(*args, **kwargs)
             plan = module._resolver.current_plan
             module = RematModule(bench.module, budget=(plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2,
-                                 verbose=False)
-            if mode == "one node":
-                module._resolver.execution = dataclasses.replace(module._resolver.execution, backward_segments=1)
+                                 verbose=False, backward_segments=1 if mode == "one node" else 8)
         model = DDP(module, bucket_cap_mb=0.5)
         counter = OpCount()
         handed: list[int] = []

@@ -4,8 +4,6 @@ Each test compares against the unmodified model in float64 with dropout on (same
 bitwise equal.  Hook timing is read with a dispatch mode counting the backward's aten ops, so
 "the last layer's gradients were ready before the first layer's backward ran" is measured, not assumed.
 """
-import dataclasses
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,14 +29,11 @@ def _model(name="gpt2-tiny", **kw):
     return bench, args, kwargs
 
 
-def _rematted(bench, args, kwargs, share=0.5, segments=None):
+def _rematted(bench, args, kwargs, share=0.5, **options):
     plain = RematModule(bench.module, budget=10**12, verbose=False)
     plain(*args, **kwargs)
     peak = plain._resolver.current_plan.baseline_peak_bytes
-    rm = RematModule(bench.module, budget=int(peak * share), verbose=False)
-    if segments is not None:
-        rm._resolver.execution = dataclasses.replace(rm._resolver.execution, backward_segments=segments)
-    return rm
+    return RematModule(bench.module, budget=int(peak * share), verbose=False, **options)
 
 
 def _step(bench, model, args, kwargs, seed=1):
@@ -94,7 +89,7 @@ def test_one_segment_releases_every_gradient_at_the_end():
     """``backward_segments=1``: today's single node, every hook after the last backward op (the test above can fail)."""
     bench, args, kwargs = _model()
     expected = _eager_grads(bench, args, kwargs)
-    rm = _rematted(bench, args, kwargs, segments=1)
+    rm = _rematted(bench, args, kwargs, backward_segments=1)
     for _ in range(2):
         grads, fired, total = _step(bench, rm, args, kwargs)
     _assert_same(grads, expected)
@@ -174,3 +169,15 @@ def test_unused_parameter_keeps_no_gradient():
         assert unused.grad is None
         _assert_same(grads, expected)
     assert rm._resolver.latest.run.backward.n_segments > 1
+
+
+def test_backward_segments_option():
+    """``REMAT_BACKWARD_SEGMENTS`` / ``backward_segments``: read, checked, and what the session's steps run."""
+    from remat_plugin.runtime.config import ConfigError, RematConfig
+
+    assert RematConfig.from_env({"REMAT_BACKWARD_SEGMENTS": "1"}).backward_segments == 1
+    assert RematConfig().backward_segments == 8
+    with pytest.raises(ConfigError, match="REMAT_BACKWARD_SEGMENTS"):
+        RematConfig.from_env({"REMAT_BACKWARD_SEGMENTS": "0"})
+    with pytest.raises(ConfigError, match="backward_segments"):
+        RematConfig(backward_segments=0)

@@ -13,7 +13,6 @@ all-reduce of every gradient takes alone (the most that overlapping can hide).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -46,6 +45,7 @@ def _step(model: DDP, bench, args: tuple, kwargs: dict) -> float:
 
 def _worker(rank: int, port: int, opts: dict, out: str) -> None:
     from remat_plugin.bench.models import build
+    from remat_plugin.capture.segments import MAX_SEGMENTS
     from remat_plugin.runtime.module import RematModule
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -62,9 +62,8 @@ def _worker(rank: int, port: int, opts: dict, out: str) -> None:
             plan = probe._resolver.current_plan
             assert plan is not None
             floor, peak = plan.min_feasible_bytes, plan.baseline_peak_bytes
-            module = RematModule(bench.module, budget=int(floor + opts["budget"] * (peak - floor)), verbose=False)
-            if mode == "one node":
-                module._resolver.execution = dataclasses.replace(module._resolver.execution, backward_segments=1)
+            module = RematModule(bench.module, budget=int(floor + opts["budget"] * (peak - floor)), verbose=False,
+                                 backward_segments=1 if mode == "one node" else MAX_SEGMENTS)
             models[mode], benches[mode] = DDP(module, bucket_cap_mb=cap), (bench, args, kwargs)
 
         for _ in range(3):  # plan, re-plan for the dropped logits, first replay

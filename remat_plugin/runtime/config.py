@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import OptionError
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import parse_budget
@@ -32,6 +33,7 @@ ENV_VARIABLES = {
     "max_val": "REMAT_MAX_BATCH_SIZE",
     "verbose": "REMAT_VERBOSE",
     "compile": "REMAT_COMPILE",
+    "backward_segments": "REMAT_BACKWARD_SEGMENTS",
 }
 AUTO_BATCH_MODES = ("max", "throughput")
 
@@ -73,6 +75,9 @@ class RematConfig:
     # Run the planned forward and backward as inductor kernels (our schedule decides what is kept; inductor
     # fuses inside it).  The way to have both remat and compiled kernels: a torch.compile'd model is refused.
     compile: bool = False
+    # The planned backward hands autograd its gradients in up to this many steps as it goes, so DDP's buckets
+    # all-reduce while it still computes (NOTE [segmented backward]); 1: every gradient at the end, in one node.
+    backward_segments: int = MAX_SEGMENTS
 
     def __post_init__(self) -> None:
         parse_budget(self.budget)  # raises BudgetFormatError naming the accepted forms
@@ -105,6 +110,10 @@ class RematConfig:
             raise ConfigError(option="verbose", value=self.verbose, reason=f"verbose {self.verbose!r} is not True or False")
         if not isinstance(self.compile, bool):
             raise ConfigError(option="compile", value=self.compile, reason=f"compile {self.compile!r} is not True or False")
+        if not _positive_int(self.backward_segments):
+            raise ConfigError(option="backward_segments", value=self.backward_segments,
+                              reason=f"backward_segments {self.backward_segments!r} "
+                                     f"({ENV_VARIABLES['backward_segments']}) must be a positive integer (1: one node)")
 
     @classmethod
     def check_names(cls, names: Iterable[str], stage: str = "remat_plugin") -> None:
@@ -193,7 +202,7 @@ def _from_text(name: str, text: str) -> Any:
             return low in _ON
         raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted="1, true or yes (on), or 0, "
                           "false or no (off)", fix=_unset_fix(name))
-    if low.isdigit() and int(low) >= 1:  # multiple_of, max_val
+    if low.isdigit() and int(low) >= 1:  # multiple_of, max_val, backward_segments
         return int(low)
     raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], reason="it must be a positive integer",
                       fix=_unset_fix(name))

@@ -9,6 +9,7 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
+from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Problem
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
@@ -39,7 +40,8 @@ class RematModule(nn.Module):
     _resolver: StepResolver  # likewise, so nn.Module does not look into it
 
     def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, *,
-                 caches: PlanningCaches | None = None, verbose: bool = True, compile: bool = False):
+                 caches: PlanningCaches | None = None, verbose: bool = True, compile: bool = False,
+                 backward_segments: int = MAX_SEGMENTS):
         refuse_compiled(original, "rematerialize(module, ..., compile=True)")
         super().__init__()
         object.__setattr__(self, "original", original)
@@ -47,7 +49,7 @@ class RematModule(nn.Module):
         self.ilp_time_limit_s = ilp_time_limit_s
         object.__setattr__(self, "_resolver", StepResolver(
             original, PlanStore(original), caches or PROCESS_CACHES, ilp_time_limit_s=ilp_time_limit_s,
-            find_floor=True, plan_lazily=True, verbose=verbose, compile=compile))
+            find_floor=True, plan_lazily=True, verbose=verbose, compile=compile, backward_segments=backward_segments))
         self.training = original.training
 
     # --- the original's state, unchanged -------------------------------------------------
@@ -129,6 +131,7 @@ def rematerialize(
     ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
     verbose: bool = True,
     compile: bool = False,
+    backward_segments: int = MAX_SEGMENTS,
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 
@@ -140,7 +143,10 @@ def rematerialize(
     ``verbose=False`` keeps it quiet (warnings still show).  ``compile=True`` runs the planned
     programs as inductor kernels (NOTE [compiled programs] in :mod:`remat_plugin.capture.compiled_programs`);
     a module already wrapped in ``torch.compile`` is refused: pass the module itself with ``compile=True``.
+    ``backward_segments``: the planned backward hands autograd its gradients in up to this many steps
+    (DDP's buckets all-reduce meanwhile; NOTE [segmented backward]); 1 keeps it one autograd node.
     """
-    rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose, compile=compile)
+    rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose, compile=compile,
+                     backward_segments=backward_segments)
     rm.prepare(tuple(args), dict(kwargs or {}))
     return rm

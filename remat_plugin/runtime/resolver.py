@@ -43,6 +43,7 @@ from typing import Any
 from torch import nn
 
 from remat_plugin.capture.export import ExecutionOptions, OutputUsage
+from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.calibration import Calibration, metered_step
@@ -83,7 +84,8 @@ class StepResolver:
     def __init__(self, module: nn.Module, store: PlanStore, caches: PlanningCaches, *, ilp_time_limit_s: float,
                  seq_bucket: BucketPolicy = None, find_floor: bool = False, plan_lazily: bool = False,
                  verbose: bool = False, report: Callable[[str], None] = announce,
-                 on_new_plan: Callable[[Plan], None] | None = None, compile: bool = False):
+                 on_new_plan: Callable[[Plan], None] | None = None, compile: bool = False,
+                 backward_segments: int = MAX_SEGMENTS):
         self.module = module
         self.store = store
         self.caches = caches
@@ -103,7 +105,7 @@ class StepResolver:
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
         self.calibration = Calibration()
-        self.execution = ExecutionOptions(compile=compile)  # backward_autocast: learned (NOTE [output usage])
+        self.execution = ExecutionOptions(compile=compile, backward_segments=backward_segments)  # backward_autocast: learned (NOTE [output usage])
 
     @property
     def current_plan(self) -> Plan | None:

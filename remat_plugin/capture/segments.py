@@ -154,13 +154,17 @@ class _Split:
         k = len(self.positions[s])
         return tuple(out[:k]), list(out[k:])
 
+    def place(self, grads: list, s: int, made: tuple) -> None:
+        """Put segment ``s``'s gradients at their input positions in ``grads``."""
+        for pos, g in zip(self.positions[s], made):
+            grads[pos] = g
+
     def run_whole(self, args: list) -> tuple:
         grads: list = [None] * self.n_outputs
         carry = args
         for s in range(self.n_segments):
             made, carry = self.run(s, carry)
-            for pos, g in zip(self.positions[s], made):
-                grads[pos] = g
+            self.place(grads, s, made)
         return tuple(grads)
 
 
@@ -209,8 +213,7 @@ class SegmentedBackward:
             grads: list = [None] * split.n_outputs
             made, call.carry = split.run(0, args)
             call.next_segment, call.autocast = 1, any_autocast_enabled()
-            for pos, g in zip(split.positions[0], made):
-                grads[pos] = g
+            split.place(grads, 0, made)
             return tuple(grads)
         if self.timed:  # a call that was not wired (nothing to release early)
             return self.split.run_whole(args)
@@ -253,15 +256,15 @@ class SegmentedBackward:
         # The anchor's gradient starts the chain: one segment 0 makes (an unused parameter's None would reach its
         # Link node as zeros, and ``.grad`` would get them).
         anchor = next((i for i in split.positions[0] if wants[i] and i in split.made), None)
-        if anchor is None or not any(wants[i] for s in range(1, split.n_segments) for i in split.positions[s]):
+        # Per later segment: (place among its gradients, input position) of the inputs that want theirs.
+        later = {s: [(k, i) for k, i in enumerate(split.positions[s]) if wants[i]] for s in range(1, split.n_segments)}
+        if anchor is None or not any(later.values()):
             return inputs, None
         call = _Call(self, split)
         token = None
         for s in range(split.n_segments - 1, 0, -1):
-            mine = [i for i in split.positions[s] if wants[i]]
-            token = _ReleaseSegment.apply(call, s, [split.positions[s].index(i) for i in mine], token,
-                                          *(inputs[i] for i in mine))
-            for i in mine:
+            token = _ReleaseSegment.apply(call, s, [k for k, _ in later[s]], token, *(inputs[i] for _, i in later[s]))
+            for _, i in later[s]:
                 inputs[i] = inputs[i].detach()
         inputs[anchor] = _Link.apply(inputs[anchor], token)
         return inputs, call

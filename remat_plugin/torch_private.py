@@ -25,6 +25,7 @@ from torch._functorch._aot_autograd.descriptors import (
     PlainAOTOutput,
     SavedForBackwardsAOTOutput,
     SavedForBackwardsNoVcCheckAOTOutput,
+    TangentAOTInput,
 )
 from torch._functorch._aot_autograd.utils import _is_primal as is_primal
 from torch._functorch._aot_autograd.utils import _is_tangent as is_tangent
@@ -49,6 +50,7 @@ __all__ = [
     "PlainAOTOutput",
     "SavedForBackwardsAOTOutput",
     "SavedForBackwardsNoVcCheckAOTOutput",
+    "TangentAOTInput",
     "TorchDispatchMode",
     "UnsupportedTorchError",
     "activation_memory_budget",

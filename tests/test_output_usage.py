@@ -87,3 +87,53 @@ def test_an_output_the_loss_reads_is_not_dropped():
     for seed in range(3):
         _step(rm, reference, batch, seed, loss_of=loss_of)
     assert rm.plan.dropped_outputs == () and rm._resolver.n_refined == 0
+
+
+def _backward_program(rm):
+    (step,) = [s for s in rm.steps.values() if s.plan is rm.plan]
+    return step.run.backward
+
+
+def test_a_dropped_outputs_gradient_is_never_materialized(monkeypatch):
+    """NOTE [dropped tangents]: with ``.loss`` kept and the logits dropped, the backward neither receives a
+    logits-sized zero gradient nor adds it: the planned program's tangent arrives as None."""
+    module, reference, batch = _gpt2()
+    rm = rematerialize(module, *batch, budget=40 * 2**20, verbose=False)
+    _step(rm, reference, batch, 0)
+    _step(rm, reference, batch, 1)  # re-planned with the logits dropped
+    assert rm.plan.dropped_outputs == (LOGITS,)
+    program = _backward_program(rm)
+    logits_shape = (4, 128, 1000)
+    tangents = [n for n in program.gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")]
+    (logits_tangent,) = [t for t in tangents if tuple(t.meta["val"].shape) == logits_shape]
+    for node in program.gm.graph.nodes:  # nothing logits-sized is made from the tangent or as zeros
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            assert logits_tangent not in node.all_input_nodes, node.format_node()
+            if node.target.name().startswith(("aten::zeros", "aten::new_zeros", "aten::full")):
+                assert tuple(node.meta["val"].shape) != logits_shape, node.format_node()
+    position = list(program.gm.graph.find_nodes(op="placeholder")).index(logits_tangent)
+    arrived = []
+    real_call = type(program).__call__
+    monkeypatch.setattr(type(program), "__call__", lambda self, args: (arrived.append(args[position]),
+                                                                        real_call(self, args))[1])
+    _step(rm, reference, batch, 2)
+    assert arrived == [None]
+    problem = rm.problem
+    assert {v.name: v.size_bytes for v in problem.values}[logits_tangent.name] == 0
+
+
+def test_a_dropped_output_differentiated_later_still_gets_its_gradient(caplog):
+    module, reference, batch = _gpt2()
+    rm = rematerialize(module, *batch, budget=40 * 2**20, verbose=False)
+    _step(rm, reference, batch, 0)
+    _step(rm, reference, batch, 1)
+    assert rm.plan.dropped_outputs == (LOGITS,)
+
+    def loss_of(out):  # the logits' gradient flows, yet nothing holds them at backward (mean saves no input)
+        return out.loss + 1e-3 * out.logits.mean()
+
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        _step(rm, reference, batch, 2, loss_of=loss_of)  # the planned-dropped output's tangent arrives: added
+        _step(rm, reference, batch, 3, loss_of=loss_of)  # ... and this call plans with the logits kept
+    assert "kept or differentiated output(s) [1]" in caplog.text
+    assert rm.plan.dropped_outputs == ()

@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
         ddp_overlap_main(argv[1:])
         return 0
+    if argv[:1] == ["dropped-outputs"]:  # a loss-only step's dropped logits: gradient left out against materialized
+        from remat_plugin.bench.dropped_outputs import main as dropped_outputs_main
+
+        dropped_outputs_main(argv[1:])
+        return 0
     if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
         from remat_plugin.bench.batch_size_bench import main as batch_size_main
 

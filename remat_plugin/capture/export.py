@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.compiled_programs import compile_program
+from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
 from remat_plugin.capture.joint import JointGraph
-from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, ordered_first_call
+from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
@@ -169,6 +170,7 @@ class CompiledStep:
     programs: list[Callable] = field(default_factory=list)  # the forward and backward programs, once traced
     backward: SegmentedBackward | None = None  # the eager backward program, once built (NOTE [segmented backward])
     trace_started: float | None = None  # time.perf_counter() as the first call began tracing
+    absent_tangents: frozenset[str] = frozenset()  # dropped outputs' tangents, left None (NOTE [dropped tangents])
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -187,6 +189,8 @@ class CompiledStep:
             with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
                 flat_out = self.fn(*inputs)
             self.traced = True
+        if self.absent_tangents and torch.is_grad_enabled():
+            self._keep_missing_gradients(flat_out)
         without_donated_buffers(flat_out)
         flat_out = _watched(flat_out, self._record, self.options.backward_autocast)
         n = len(self.out_tensor_positions) + len(self.out_constants)
@@ -199,6 +203,15 @@ class CompiledStep:
 
     def _record(self, usage: OutputUsage) -> None:
         self.usage = usage
+
+    def _keep_missing_gradients(self, flat_out: tuple) -> None:
+        node = compiled_node(flat_out)
+        if node is None:
+            raise CaptureError(
+                "remat_plugin.execute: could not find the planned step's autograd node among its outputs' gradient "
+                "functions, to leave the gradients of the outputs it drops unmaterialized. Report this with your "
+                "torch version and model")
+        keep_missing_gradients(node)
 
 
 def build_step(
@@ -242,7 +255,9 @@ def build_step(
     n_params = len(dict(module.named_parameters()))
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
-        joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs)
+        step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs)  # NOTE [dropped tangents]
+        joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
+                           absent_tangents=step.absent_tangents)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
         joint.state_primals = {n.name for n in primals[: len(names)]}
@@ -253,10 +268,11 @@ def build_step(
 
     def backward_program(gm_, example):
         if options.compile:
-            return boxed(gm_, example)
-        step.backward = SegmentedBackward(gm_, options.backward_segments)
-        step.programs.append(step.backward)
-        return step.backward
+            program = boxed(gm_, example)
+        else:
+            program = step.backward = SegmentedBackward(gm_, options.backward_segments)
+            step.programs.append(step.backward)
+        return FilledTangents(program, gm_, step.absent_tangents) if step.absent_tangents else program
 
     def boxed(gm_, _example):
         if options.compile:

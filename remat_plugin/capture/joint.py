@@ -28,6 +28,7 @@ from typing import cast
 import torch
 from torch import fx
 
+from remat_plugin.capture.dropped_tangents import add_if_given
 from remat_plugin.ir.problem import Op, Problem, Value
 from remat_plugin.torch_private import OpOverload, PlainAOTOutput, extract_fwd_bwd_outputs
 
@@ -48,6 +49,7 @@ _ALIAS_OPS = {
     torch.ops.aten._unsafe_view.default,
     torch.ops.aten.alias.default,
     torch.ops.aten.detach.default,
+    add_if_given,  # the gradient itself, for a dropped output's missing tangent (NOTE [dropped tangents])
 }
 
 
@@ -101,6 +103,7 @@ class JointGraph:
     grad_primals: set[str] = field(default_factory=set)  # placeholders that require grad
     real_inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # placeholder -> the step's tensor (profiling)
     dropped_outputs: frozenset[int] = frozenset()  # user outputs the caller drops before backward (NOTE above)
+    absent_tangents: frozenset[str] = frozenset()  # their tangents, arriving as None (NOTE [dropped tangents])
     output_roots: dict[int, str] = field(default_factory=dict)  # user output index -> value holding its storage
     output_positions: dict[int, int] = field(default_factory=dict)  # user output index -> joint output position
 
@@ -239,7 +242,8 @@ class JointGraph:
                 if self.tangents:
                     ops.append(Op(TANGENTS_OP, False, (), tuple(t.name for t in self.tangents), 0.0))
                     values.extend(
-                        Value(t.name, self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
+                        Value(t.name, 0 if t.name in self.absent_tangents
+                              else self._device_bytes(_tensor_bytes(t.meta.get("val"))), TANGENTS_OP)
                         for t in self.tangents
                     )
             reads = list(self.reads(n))

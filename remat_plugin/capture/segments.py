@@ -272,7 +272,7 @@ class SegmentedBackward:
     @staticmethod
     def attach(call: _Call, outputs: Sequence) -> None:
         """Announce ``call`` to its AOTAutograd node's backward (which the outputs' autograd graph leads to)."""
-        node = _compiled_node(outputs)
+        node = compiled_node(outputs)
         if node is None:
             raise SegmentError(
                 "remat_plugin.execute: could not find the planned step's autograd node among its outputs' gradient "
@@ -294,7 +294,7 @@ def ordered_first_call(inputs: Sequence) -> list:
     return [_InOrder.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t for t in inputs]
 
 
-def _compiled_node(outputs: Sequence):
+def compiled_node(outputs: Sequence):
     """AOTAutograd's ``CompiledFunctionBackward`` node behind the step's outputs (views may sit in between)."""
     frontier = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     for _ in range(4):

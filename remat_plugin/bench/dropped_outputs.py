@@ -1,0 +1,131 @@
+"""A loss-only training step with the dropped outputs' gradients left out, against them materialized (as before).
+
+    python -m remat_plugin.bench dropped-outputs [--model gpt2-tiny] [--budget 0.5] [--pairs 9]
+        [--json results/dropped_outputs_cpu.json]
+
+The loop keeps ``.loss`` and drops the logits.  Two copies of the model are planned at the
+same budget (a fraction of the unmodified step's measured peak): ``folded`` as the package
+runs (NOTE [dropped tangents]: no logits-sized zero gradient, no add), ``materialized`` as it
+ran before, autograd filling the logits' gradient with zeros that the program adds.  Each plan
+settles first (the re-plan for the dropped logits included); then one metered step each
+(allocator peak, gradients against the unmodified model's) and interleaved timed steps, which
+one goes first alternating.  Reported: the plans' smallest feasible budgets and predictions,
+measured peaks, and median step times.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+import time
+
+import torch
+
+from remat_plugin.bench.models import build
+from remat_plugin.capture.dropped_tangents import tangents_materialized
+from remat_plugin.capture.memory_meter import measure_peak_profiler
+from remat_plugin.runtime.module import RematModule
+from remat_plugin.runtime.side_effects import unobserved
+
+VARIANTS = ("folded", "materialized")
+SEED = 1234
+
+
+def _step(module, bench, batch) -> torch.Tensor:
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    loss = bench.loss(module(*batch[0], **batch[1]))  # the output object (logits) is dropped here
+    loss.backward()
+    return loss
+
+
+def _grads(module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
+
+
+def _planned(bench, batch, budget: int, variant: str) -> RematModule:
+    rm = RematModule(bench.module, budget, verbose=False)
+    device = next(bench.module.parameters()).device
+    with unobserved(bench.module, device):
+        for _ in range(4):  # plan, re-plan for the dropped logits, settle
+            if variant == "materialized":
+                with tangents_materialized():
+                    _step(rm, bench, batch)
+            else:
+                _step(rm, bench, batch)
+    return rm
+
+
+def run(model: str, budget_fraction: float, pairs: int) -> dict:
+    bench = build(model)
+    batch = bench.make_batch(0)
+    reference = copy.deepcopy(bench.module)
+    _, none_peak = measure_peak_profiler(lambda: _step(reference, bench, batch))
+    reference_grads = _grads(reference)
+    budget = int(budget_fraction * none_peak)
+    modules, benches, out = {}, {}, {}
+    for variant in VARIANTS:
+        benches[variant] = copy.copy(bench)
+        benches[variant].module = copy.deepcopy(reference)
+        modules[variant] = _planned(benches[variant], batch, budget, variant)
+    for variant in VARIANTS:
+        rm = modules[variant]
+        plan = rm.plan
+        assert plan is not None
+        _, peak = measure_peak_profiler(functools.partial(_step, rm, bench, batch))
+        grads = _grads(rm)
+        out[variant] = {
+            "measured_peak_bytes": peak,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_overhead": plan.predicted_overhead,
+            "min_feasible_bytes": plan.min_feasible_bytes,
+            "dropped_outputs": list(plan.dropped_outputs),
+            "grads_bitwise": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                                 for a, b in zip(grads, reference_grads)),
+            "within_budget": peak <= budget,
+        }
+    plans = {v: modules[v].plan for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for k in range(pairs + 1):
+        for variant in (VARIANTS if k % 2 == 0 else VARIANTS[::-1]):
+            t0 = time.perf_counter()
+            _step(modules[variant], bench, batch)
+            if k:  # the first pair warms up
+                times[variant].append(time.perf_counter() - t0)
+    assert all(modules[v].plan is plans[v] for v in VARIANTS), "a plan changed while timing"
+    for variant in VARIANTS:
+        out[variant]["median_step_s"] = statistics.median(times[variant])
+        out[variant]["step_s"] = times[variant]
+    ratios = [a / b for a, b in zip(times["folded"], times["materialized"])]
+    return {"model": model, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
+            "pairs": pairs, "variants": out, "median_time_ratio": statistics.median(ratios),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-tiny")
+    parser.add_argument("--budget", type=float, default=0.5, help="the budget, as a fraction of the unmodified peak")
+    parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--json")
+    opts = parser.parse_args(argv)
+    result = run(opts.model, opts.budget, opts.pairs)
+    print(f"{opts.model}, budget {opts.budget} of the unmodified peak ({_mib(result['budget_bytes'])}), "
+          f"the loop keeps .loss and drops the logits; {opts.pairs} interleaved pairs, medians")
+    for variant, r in result["variants"].items():
+        print(f"  {variant:13s} smallest feasible {_mib(r['min_feasible_bytes'])}, measured peak "
+              f"{_mib(r['measured_peak_bytes'])} (predicted {_mib(r['predicted_peak_bytes'])}, within budget "
+              f"{r['within_budget']}), predicted {r['predicted_overhead']:.3f}x, step {r['median_step_s'] * 1e3:.0f} ms, "
+              f"gradients bitwise those of the unmodified model: {r['grads_bitwise']}")
+    f, m = result["variants"]["folded"], result["variants"]["materialized"]
+    print(f"  folded against materialized: smallest feasible {(f['min_feasible_bytes'] - m['min_feasible_bytes']) / 2**20:+.2f} "
+          f"MiB, step time {result['median_time_ratio']:.3f}x")
+    if opts.json:
+        with open(opts.json, "w") as fh:
+            json.dump(result, fh, indent=1)

@@ -1,0 +1,121 @@
+"""Outputs the caller drops get no gradient: their tangents stay out of the planned backward.
+
+NOTE [dropped tangents]
+    The joint graph has a tangent input for every differentiable output, added into the
+    gradient that reaches it from the loss (``add(tangents_2, grad)`` for the logits beside
+    ``.loss``).  When the caller drops the output, autograd would fill its missing gradient with
+    a logits-sized zero tensor before AOTAutograd's node runs, and the add would make a second
+    logits-sized tensor: two logits of memory at the start of the backward, and time, for nothing.
+
+    For an output the plan drops (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`),
+    each such ``add`` becomes ``add_if_given(grad, tangent)``: the gradient itself when the
+    tangent is None, the very same add when a caller did differentiate the output after all
+    (that step then runs above its plan by one output's size, and the resolver re-plans with
+    the output kept, as for an output the caller holds).  The planner sees it as a view of the
+    gradient and the tangent as 0 bytes.  AOTAutograd's node is told not to materialize missing
+    gradients (:func:`keep_missing_gradients`); the backward program fills those of the other
+    tangents with zeros itself, as autograd did (:class:`FilledTangents`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import fx
+
+from remat_plugin.torch_private import PlainAOTOutput, TangentAOTInput, is_tangent
+
+log = logging.getLogger(__name__)
+_folding = True  # off only inside tangents_materialized()
+
+
+@contextlib.contextmanager
+def tangents_materialized() -> Iterator[None]:
+    """Steps captured inside leave dropped outputs' tangents to autograd, as before NOTE [dropped tangents]:
+    the baseline ``python -m remat_plugin.bench dropped-outputs`` measures against."""
+    global _folding
+    before, _folding = _folding, False
+    try:
+        yield
+    finally:
+        _folding = before
+
+
+def add_if_given(grad: torch.Tensor, tangent: torch.Tensor | None) -> torch.Tensor:
+    """``tangent + grad`` as the joint graph computed it, or ``grad`` itself when no tangent arrived."""
+    if tangent is None:
+        return grad
+    return torch.ops.aten.add.Tensor(tangent, grad)
+
+
+def _same_layout(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype and va.device == vb.device)
+
+
+def _folded_grad(add: fx.Node, tangent: fx.Node) -> fx.Node | None:
+    """The other operand of ``add(tangent, grad)`` (either order) when the add is exactly ``grad`` for a zero
+    tangent: no alpha, no broadcast or type promotion; else None."""
+    if add.target is not torch.ops.aten.add.Tensor or add.kwargs or len(add.args) != 2:
+        return None
+    a, b = add.args
+    grad = b if a is tangent else a if b is tangent else None
+    if not isinstance(grad, fx.Node) or grad is tangent or not _same_layout(grad, add):
+        return None
+    return grad
+
+
+def fold_dropped_tangents(gm: fx.GraphModule, dropped_outputs: frozenset[int]) -> frozenset[str]:
+    """Rewrite the joint graph's adds of dropped outputs' tangents into :func:`add_if_given`; the tangents'
+    names (a tangent read any other way is left as it is, materialized as before)."""
+    if not (dropped_outputs and _folding):
+        return frozenset()
+    folded: set[str] = set()
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        desc = ph.meta.get("desc")
+        if not (is_tangent(ph) and isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)
+                and desc.output.idx in dropped_outputs):
+            continue
+        grads = {user: _folded_grad(user, ph) for user in ph.users}
+        if not all(grads.values()):
+            log.debug("dropped tangents: %s is read by %s; it stays materialized", ph.name,
+                      [u.target for u, g in grads.items() if g is None])
+            continue
+        for add, grad in grads.items():
+            with gm.graph.inserting_before(add):
+                new = gm.graph.call_function(add_if_given, (grad, ph))
+            new.meta = dict(add.meta)
+            add.replace_all_uses_with(new)
+            gm.graph.erase_node(add)
+        folded.add(ph.name)
+    return frozenset(folded)
+
+
+def keep_missing_gradients(node) -> None:
+    """Have AOTAutograd's node pass a missing output gradient on as None instead of a zero tensor."""
+    node.set_materialize_grads(False)
+
+
+class FilledTangents:
+    """A backward program whose missing tangents, other than the folded ones, arrive as zeros, as autograd
+    filled them before :func:`keep_missing_gradients`; called with AOTAutograd's boxed convention."""
+
+    _boxed_call = True
+
+    def __init__(self, program: Callable[[list], tuple], gm: fx.GraphModule, folded: frozenset[str]):
+        self.program = program
+        self.fill: list[tuple[int, torch.Tensor]] = [
+            (i, ph.meta["val"]) for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
+            if is_tangent(ph) and ph.name not in folded and isinstance(ph.meta.get("val"), torch.Tensor)
+        ]
+
+    def __call__(self, args: list) -> tuple:
+        for i, val in self.fill:
+            if args[i] is None:
+                args[i] = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype,
+                                              device=val.device).zero_()
+        return self.program(args)
+

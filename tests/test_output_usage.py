@@ -137,3 +137,34 @@ def test_a_dropped_output_differentiated_later_still_gets_its_gradient(caplog):
         _step(rm, reference, batch, 3, loss_of=loss_of)  # ... and this call plans with the logits kept
     assert "kept or differentiated output(s) [1]" in caplog.text
     assert rm.plan.dropped_outputs == ()
+
+
+def test_a_held_output_no_gradient_reaches_gets_none_and_a_later_gradient_is_added(caplog):
+    """``out = model(...); out.loss.backward()``: the logits stay alive (held) but their gradient is left out of
+    the backward; a later step that does differentiate them gets exact gradients, a warning, and a new plan."""
+    module, reference, batch = _gpt2()
+    budget = 40 * 2**20
+    rm = rematerialize(module, *batch, budget=budget, verbose=False)
+    safe = rm.plan
+    _step(rm, reference, batch, 0, keep_output=True)
+    peak = _step(rm, reference, batch, 1, keep_output=True)  # re-planned without the logits' gradient
+    refined = rm.plan
+    assert refined.dropped_outputs == () and refined.ungraded_outputs == (LOGITS,)
+    assert rm._resolver.n_refined == 1
+    logits_bytes = 4 * 128 * 1000 * 4
+    assert refined.baseline_peak_bytes <= safe.baseline_peak_bytes - logits_bytes  # no zero-filled gradient
+    assert peak <= budget
+    assert abs(peak - refined.predicted_peak_bytes) <= 0.05 * peak, (peak, refined.predicted_peak_bytes)
+    program = _backward_program(rm)
+    assert len(rm.steps) == 1 and [s for s in rm.steps.values()][0].run.absent_tangents
+    assert not any(n.op == "call_function" and n.target is torch.ops.aten.add.Tensor
+                   and any(a.name.startswith("tangents") for a in n.all_input_nodes) for n in program.gm.graph.nodes)
+
+    def loss_of(out):
+        return out.loss + 1e-3 * out.logits.mean()
+
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        _step(rm, reference, batch, 2, keep_output=True, loss_of=loss_of)  # the gradient arrives: added
+        _step(rm, reference, batch, 3, keep_output=True, loss_of=loss_of)  # ... and planned for
+    assert "a gradient reached output(s) [1]" in caplog.text
+    assert rm.plan.ungraded_outputs == () and rm.plan.dropped_outputs == ()

@@ -1,9 +1,10 @@
-"""A loss-only training step with the dropped outputs' gradients left out, against them materialized (as before).
+"""A training step with the gradients of outputs it does not differentiate left out, against them materialized.
 
     python -m remat_plugin.bench dropped-outputs [--model gpt2-tiny] [--budget 0.5] [--pairs 9]
-        [--json results/dropped_outputs_cpu.json]
+        [--hold-outputs] [--json results/dropped_outputs_cpu.json]
 
-The loop keeps ``.loss`` and drops the logits.  Two copies of the model are planned at the
+The loop keeps ``.loss`` and drops the logits (with ``--hold-outputs`` it holds the output object
+through ``backward()``, as ``out = model(...); out.loss.backward()`` does).  Two copies of the model are planned at the
 same budget (a fraction of the unmodified step's measured peak): ``folded`` as the package
 runs (NOTE [dropped tangents]: no logits-sized zero gradient, no add), ``materialized`` as it
 ran before, autograd filling the logits' gradient with zeros that the program adds.  Each plan
@@ -33,11 +34,14 @@ VARIANTS = ("folded", "materialized")
 SEED = 1234
 
 
-def _step(module, bench, batch) -> torch.Tensor:
+def _step(module, bench, batch, hold: bool = False) -> torch.Tensor:
     module.zero_grad(set_to_none=True)
     torch.manual_seed(SEED)
-    loss = bench.loss(module(*batch[0], **batch[1]))  # the output object (logits) is dropped here
-    loss.backward()
+    out = module(*batch[0], **batch[1])
+    loss = bench.loss(out)
+    if not hold:
+        del out  # the loop keeps the loss only: the logits are dropped here
+    loss.backward()  # with hold, the logits stay alive through the backward, which takes no gradient of them
     return loss
 
 
@@ -45,36 +49,36 @@ def _grads(module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
 
 
-def _planned(bench, batch, budget: int, variant: str) -> RematModule:
+def _planned(bench, batch, budget: int, variant: str, hold: bool) -> RematModule:
     rm = RematModule(bench.module, budget, verbose=False)
     device = next(bench.module.parameters()).device
     with unobserved(bench.module, device):
         for _ in range(4):  # plan, re-plan for the dropped logits, settle
             if variant == "materialized":
                 with tangents_materialized():
-                    _step(rm, bench, batch)
+                    _step(rm, bench, batch, hold)
             else:
-                _step(rm, bench, batch)
+                _step(rm, bench, batch, hold)
     return rm
 
 
-def run(model: str, budget_fraction: float, pairs: int) -> dict:
+def run(model: str, budget_fraction: float, pairs: int, hold: bool = False) -> dict:
     bench = build(model)
     batch = bench.make_batch(0)
     reference = copy.deepcopy(bench.module)
-    _, none_peak = measure_peak_profiler(lambda: _step(reference, bench, batch))
+    _, none_peak = measure_peak_profiler(lambda: _step(reference, bench, batch, hold))
     reference_grads = _grads(reference)
     budget = int(budget_fraction * none_peak)
     modules, benches, out = {}, {}, {}
     for variant in VARIANTS:
         benches[variant] = copy.copy(bench)
         benches[variant].module = copy.deepcopy(reference)
-        modules[variant] = _planned(benches[variant], batch, budget, variant)
+        modules[variant] = _planned(benches[variant], batch, budget, variant, hold)
     for variant in VARIANTS:
         rm = modules[variant]
         plan = rm.plan
         assert plan is not None
-        _, peak = measure_peak_profiler(functools.partial(_step, rm, bench, batch))
+        _, peak = measure_peak_profiler(functools.partial(_step, rm, bench, batch, hold))
         grads = _grads(rm)
         out[variant] = {
             "measured_peak_bytes": peak,
@@ -82,6 +86,7 @@ def run(model: str, budget_fraction: float, pairs: int) -> dict:
             "predicted_overhead": plan.predicted_overhead,
             "min_feasible_bytes": plan.min_feasible_bytes,
             "dropped_outputs": list(plan.dropped_outputs),
+            "ungraded_outputs": list(plan.ungraded_outputs),
             "grads_bitwise": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                                  for a, b in zip(grads, reference_grads)),
             "within_budget": peak <= budget,
@@ -91,7 +96,7 @@ def run(model: str, budget_fraction: float, pairs: int) -> dict:
     for k in range(pairs + 1):
         for variant in (VARIANTS if k % 2 == 0 else VARIANTS[::-1]):
             t0 = time.perf_counter()
-            _step(modules[variant], bench, batch)
+            _step(modules[variant], bench, batch, hold)
             if k:  # the first pair warms up
                 times[variant].append(time.perf_counter() - t0)
     assert all(modules[v].plan is plans[v] for v in VARIANTS), "a plan changed while timing"
@@ -99,7 +104,7 @@ def run(model: str, budget_fraction: float, pairs: int) -> dict:
         out[variant]["median_step_s"] = statistics.median(times[variant])
         out[variant]["step_s"] = times[variant]
     ratios = [a / b for a, b in zip(times["folded"], times["materialized"])]
-    return {"model": model, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
+    return {"model": model, "hold_outputs": hold, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
             "pairs": pairs, "variants": out, "median_time_ratio": statistics.median(ratios),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -113,11 +118,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="gpt2-tiny")
     parser.add_argument("--budget", type=float, default=0.5, help="the budget, as a fraction of the unmodified peak")
     parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--hold-outputs", action="store_true",
+                        help="the loop holds the model's output through backward (out = model(...); "
+                             "out.loss.backward()) instead of keeping the loss only")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
-    result = run(opts.model, opts.budget, opts.pairs)
+    result = run(opts.model, opts.budget, opts.pairs, opts.hold_outputs)
+    idiom = ("holds the output through backward, no gradient reaching the logits" if opts.hold_outputs
+             else "keeps .loss and drops the logits")
     print(f"{opts.model}, budget {opts.budget} of the unmodified peak ({_mib(result['budget_bytes'])}), "
-          f"the loop keeps .loss and drops the logits; {opts.pairs} interleaved pairs, medians")
+          f"the loop {idiom}; {opts.pairs} interleaved pairs, medians")
     for variant, r in result["variants"].items():
         print(f"  {variant:13s} smallest feasible {_mib(r['min_feasible_bytes'])}, measured peak "
               f"{_mib(r['measured_peak_bytes'])} (predicted {_mib(r['predicted_peak_bytes'])}, within budget "

@@ -7,11 +7,13 @@ NOTE [dropped tangents]
     a logits-sized zero tensor before AOTAutograd's node runs, and the add would make a second
     logits-sized tensor: two logits of memory at the start of the backward, and time, for nothing.
 
-    For an output the plan drops (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`),
-    each such ``add`` becomes ``add_if_given(grad, tangent)``: the gradient itself when the
+    The same holds for an output the caller keeps but takes no gradient of (``out = model(...);
+    out.loss.backward()`` holds the logits through the backward).  For an output the plan drops
+    (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`) or gives no gradient
+    (``Plan.ungraded_outputs``), each such ``add`` becomes ``add_if_given(grad, tangent)``: the gradient itself when the
     tangent is None, the very same add when a caller did differentiate the output after all
-    (that step then runs above its plan by one output's size, and the resolver re-plans with
-    the output kept, as for an output the caller holds).  The planner sees it as a view of the
+    (that step then runs above its plan by one output's size, and the resolver re-plans for
+    the output's gradient, NOTE [output usage]).  The planner sees it as a view of the
     gradient and the tangent as 0 bytes.  AOTAutograd's node is told not to materialize missing
     gradients (:func:`keep_missing_gradients`); the backward program fills those of the other
     tangents with zeros itself, as autograd did (:class:`FilledTangents`).
@@ -68,16 +70,16 @@ def _folded_grad(add: fx.Node, tangent: fx.Node) -> fx.Node | None:
     return grad
 
 
-def fold_dropped_tangents(gm: fx.GraphModule, dropped_outputs: frozenset[int]) -> frozenset[str]:
-    """Rewrite the joint graph's adds of dropped outputs' tangents into :func:`add_if_given`; the tangents'
+def fold_dropped_tangents(gm: fx.GraphModule, outputs: frozenset[int]) -> frozenset[str]:
+    """Rewrite the joint graph's adds of these outputs' tangents into :func:`add_if_given`; the tangents'
     names (a tangent read any other way is left as it is, materialized as before)."""
-    if not (dropped_outputs and _folding):
+    if not (outputs and _folding):
         return frozenset()
     folded: set[str] = set()
     for ph in gm.graph.find_nodes(op="placeholder"):
         desc = ph.meta.get("desc")
         if not (is_tangent(ph) and isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)
-                and desc.output.idx in dropped_outputs):
+                and desc.output.idx in outputs):
             continue
         grads = {user: _folded_grad(user, ph) for user in ph.users}
         if not all(grads.values()):

@@ -70,11 +70,17 @@ class OutputUsage:
     held: frozenset[int]  # still referenced (or a view of them is)
     graded: frozenset[int]  # a gradient reached them
     backward_autocast: bool = False  # the backward ran inside a torch.autocast block
+    differentiable: frozenset[int] = frozenset()  # those that carried a gradient into the step
 
     @property
     def dropped(self) -> frozenset[int]:
         """Outputs neither held nor differentiated: the step may free them once the forward returns them."""
         return frozenset(range(self.n_outputs)) - self.held - self.graded
+
+    @property
+    def ungraded(self) -> frozenset[int]:
+        """Outputs held but reached by no gradient: the backward need not take one (NOTE [dropped tangents])."""
+        return (self.held & self.differentiable) - self.graded
 
 
 class _OutputWatch:
@@ -97,7 +103,8 @@ class _OutputWatch:
                         "the other place; autocast changes the backward's casts, so this step's gradients may "
                         "differ from eager PyTorch's in rounding. Its next call is traced for backward() %s "
                         "the block", where, where)
-        self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast))
+        self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast,
+                                frozenset(self.differentiable)))
 
 
 class _WatchedOutputs(torch.autograd.Function):
@@ -222,12 +229,15 @@ def build_step(
     device: torch.device,
     dropped_outputs: frozenset[int] = frozenset(),
     options: ExecutionOptions = EAGER,
+    ungraded_outputs: frozenset[int] = frozenset(),
 ) -> CompiledStep:
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
 
     ``emit`` receives the joint graph (where planning happens) and returns the forward and
     backward programs; AOTAutograd calls it as its partitioner.  ``dropped_outputs``: the
-    flat tensor outputs the caller drops before backward (NOTE [dropped outputs]).
+    flat tensor outputs the caller drops before backward (NOTE [dropped outputs]); they and
+    ``ungraded_outputs`` (held, but reached by no gradient) get no gradient in the backward program
+    (NOTE [dropped tangents]).
     ``options``: where the caller runs ``backward()``, and whether the programs are compiled.
     """
     ep = export_module(module, args, kwargs)
@@ -255,7 +265,7 @@ def build_step(
     n_params = len(dict(module.named_parameters()))
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
-        step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs)  # NOTE [dropped tangents]
+        step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]

@@ -52,6 +52,10 @@ class Plan:
     # Outputs (flat tensor positions) the plan frees once the forward returns them: the caller was seen
     # dropping them before backward (NOTE [dropped outputs] in remat_plugin.capture.joint).
     dropped_outputs: tuple[int, ...] = ()
+    # Outputs the caller was seen holding through backward that no gradient reached: with the dropped ones,
+    # their gradients are left out of the backward program (NOTE [dropped tangents] in
+    # remat_plugin.capture.dropped_tangents).
+    ungraded_outputs: tuple[int, ...] = ()
     # Where planning's time went, in order: (stage, seconds); capture stages come from the runtime,
     # "block menus" and "budget search" from the planner.  Empty for replayed and fallback plans.
     planning_stages: tuple[tuple[str, float], ...] = ()
@@ -70,7 +74,8 @@ class Plan:
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
-        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes", "dropped_outputs"):
+        for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes", "dropped_outputs",
+                     "ungraded_outputs"):
             data[name] = tuple(data.get(name, ()))
         data["planning_stages"] = tuple((str(n), float(s)) for n, s in data.get("planning_stages", ()))
         return Plan(**data)

@@ -18,7 +18,10 @@ NOTE [output usage]
     :data:`REFINE_MIN_SHARE` of the predicted peak, the next call of those shapes re-plans
     once with them freed after the forward.  A later step that holds or differentiates an
     output its plan frees is logged as a warning (that step ran with the output alive, over
-    the plan by its size) and the next call re-plans with that output kept.
+    the plan by its size) and the next call re-plans with that output kept.  Outputs the caller holds
+    through ``backward()`` that no gradient reaches (``out = model(...); out.loss.backward()``) are
+    re-planned for the same way: their gradients are left out of the backward (NOTE [dropped
+    tangents]), and a later step whose gradient does reach one adds it, is warned about, and re-plans.
 
     The steps also learn where ``backward()`` runs.  Eager autocast casts the backward's ops too when
     ``backward()`` is called inside the ``torch.autocast`` block (Lightning's manual optimization does
@@ -185,10 +188,12 @@ class StepResolver:
         return step.plan, step  # type: ignore[return-value]  # None only while a lazy plan awaits its call
 
     def solve(self, call: Call, budget_bytes: int, now: bool | None = None, *,
-              dropped_outputs: frozenset[int] = frozenset(), refine: bool = False) -> PlannedStep:
+              dropped_outputs: frozenset[int] = frozenset(), ungraded_outputs: frozenset[int] = frozenset(),
+              refine: bool = False) -> PlannedStep:
         """Capture, profile and solve for this call; with ``now`` (default: not ``plan_lazily``) before returning.
 
-        ``dropped_outputs``/``refine``: a re-plan for the outputs the caller drops (NOTE [output usage]).
+        ``dropped_outputs``/``ungraded_outputs``/``refine``: a re-plan for the outputs the caller drops or takes
+        no gradient of (NOTE [output usage]).
         """
         now = not self.plan_lazily if now is None else now
         model = type(self.module).__name__
@@ -206,7 +211,7 @@ class StepResolver:
         with progress if progress is not None and now else contextlib.nullcontext():
             step = plan_step(self.module, call, budget_bytes, ilp_time_limit_s=self.ilp_time_limit_s,
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
-                             dropped_outputs=dropped_outputs,
+                             dropped_outputs=dropped_outputs, ungraded_outputs=ungraded_outputs,
                              calibration_bytes=self.calibration.bytes_for(call.key),
                              options=self.execution)
             step.to_meter = True
@@ -256,10 +261,12 @@ class StepResolver:
             return step
         if usage is not None and usage.backward_autocast != self.execution.backward_autocast:
             return self._rebuilt_for_backward_autocast(call, usage.backward_autocast, budget)
-        dropped = self._dropped_outputs(call, step, usage)
-        if dropped is None:
+        outputs = self._outputs_to_plan(call, step, usage)
+        if outputs is None:
             return step
-        step = self.steps[call.key] = self.solve(call, budget(), dropped_outputs=dropped, refine=True)
+        dropped, ungraded = outputs
+        step = self.steps[call.key] = self.solve(call, budget(), dropped_outputs=dropped, ungraded_outputs=ungraded,
+                                                 refine=True)
         return step
 
     def _rebuilt_for_backward_autocast(self, call: Call, inside: bool, budget: BudgetFn) -> PlannedStep:
@@ -272,28 +279,40 @@ class StepResolver:
         step = self.steps[call.key] = self.new_step(call, budget())
         return step
 
-    def _dropped_outputs(self, call: Call, step: PlannedStep, usage: OutputUsage | None) -> frozenset[int] | None:
-        """The outputs a new plan should free after the forward, or None to keep the plan (NOTE [output usage])."""
+    def _outputs_to_plan(self, call: Call, step: PlannedStep,
+                         usage: OutputUsage | None) -> tuple[frozenset[int], frozenset[int]] | None:
+        """The outputs a new plan should free after the forward and those it should give no gradient (held
+        but ungraded), or None to keep the plan (NOTE [output usage])."""
         assert step.plan is not None
         if usage is None:
             return None
-        assumed = frozenset(step.plan.dropped_outputs)
-        if assumed - usage.dropped:
-            log.warning("remat_plugin: the caller kept or differentiated output(s) %s of %s, which its plan frees "
-                        "after the forward (the caller had dropped them before); that step ran with them alive, "
-                        "above the plan by their size. Planning these shapes with them kept",
-                        sorted(assumed - usage.dropped), type(self.module).__name__)
-            return assumed & usage.dropped
-        if assumed or not usage.dropped or step.problem is None or call.key in self._refined:
+        dropped, ungraded = frozenset(step.plan.dropped_outputs), frozenset(step.plan.ungraded_outputs)
+        kept = dropped - usage.dropped
+        graded = (dropped | ungraded) & usage.graded
+        if kept or graded:
+            model = type(self.module).__name__
+            if kept:
+                log.warning("remat_plugin: the caller kept or differentiated output(s) %s of %s, which its plan frees "
+                            "after the forward (the caller had dropped them before); that step ran with them alive, "
+                            "above the plan by their size. Planning these shapes with them kept", sorted(kept), model)
+            if graded - kept:
+                log.warning("remat_plugin: a gradient reached output(s) %s of %s, which its plan gives none (none "
+                            "reached them before); that step added it, above the plan by their size. Planning these "
+                            "shapes for their gradient", sorted(graded - kept), model)
+            still_dropped = dropped & usage.dropped
+            return still_dropped, (dropped | ungraded) - usage.graded - still_dropped
+        if dropped or ungraded or step.problem is None or call.key in self._refined:
             return None
-        dropped_bytes = sum(step.output_bytes.get(i, 0) for i in usage.dropped)
-        if dropped_bytes < REFINE_MIN_SHARE * step.plan.predicted_peak_bytes:
+        to_free = usage.dropped
+        without_gradient = usage.ungraded & frozenset(step.output_bytes)
+        saved = sum(step.output_bytes.get(i, 0) for i in to_free | without_gradient)
+        if saved < REFINE_MIN_SHARE * step.plan.predicted_peak_bytes:
             return None
         self._refined.add(call.key)
-        log.info("remat_plugin: the caller drops output(s) %s (%s) before backward; planning %s again with "
-                 "them freed after the forward", sorted(usage.dropped), human_bytes(dropped_bytes),
-                 call.signature.describe())
-        return usage.dropped
+        log.info("remat_plugin: the caller drops output(s) %s and takes no gradient of output(s) %s (%s); planning "
+                 "%s again with them freed after the forward and without their gradients", sorted(to_free),
+                 sorted(to_free | without_gradient), human_bytes(saved), call.signature.describe())
+        return to_free, without_gradient
 
     def _calibrated_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
         """``step`` once metered, or the plan its metering called for (NOTE [calibration])."""
@@ -305,7 +324,8 @@ class StepResolver:
                 break
             try:
                 step = self.steps[call.key] = self.solve(call, budget(), now=True, refine=True,
-                                                         dropped_outputs=frozenset(plan.dropped_outputs))
+                                                         dropped_outputs=frozenset(plan.dropped_outputs),
+                                                         ungraded_outputs=frozenset(plan.ungraded_outputs))
             except InfeasibleBudgetError:
                 if measured > plan.budget_bytes:
                     raise

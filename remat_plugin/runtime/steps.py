@@ -117,12 +117,14 @@ def measured_problem(joint: JointGraph, device: torch.device, progress=None,
 def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,
               caches: PlanningCaches, progress=None, find_floor: bool = True,
               on_plan: Callable[[PlannedStep], None] | None = None,
-              dropped_outputs: frozenset[int] = frozenset(), calibration_bytes: int = 0,
+              dropped_outputs: frozenset[int] = frozenset(), ungraded_outputs: frozenset[int] = frozenset(),
+              calibration_bytes: int = 0,
               options: ExecutionOptions = EAGER) -> PlannedStep:
     """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
 
     ``dropped_outputs``: flat tensor outputs the caller drops before backward, freed once returned
-    (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`).  ``calibration_bytes``: kept back from
+    (NOTE [dropped outputs] in :mod:`remat_plugin.capture.joint`); ``ungraded_outputs``: those the caller
+    holds that no gradient reaches (NOTE [dropped tangents]).  ``calibration_bytes``: kept back from
     the budget for what a metered step showed the model misses (NOTE [calibration]).  ``options``: where the
     caller runs ``backward()`` and whether the programs are compiled (:class:`ExecutionOptions`).
 
@@ -147,6 +149,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
                   *plan.planning_stages)
         step.plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=call.key,
                                         graph_key=graph_key(joint), dropped_outputs=tuple(sorted(dropped_outputs)),
+                                        ungraded_outputs=tuple(sorted(ungraded_outputs)),
                                         planning_stages=stages)
         step.problem, step.checked = problem, True
         step.output_bytes = {i: joint.value_bytes(v) for i, v in joint.output_roots.items()}
@@ -158,7 +161,8 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
         progress.stage("capture")
     export_started = time.perf_counter()
     try:
-        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs, options)
+        step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs, options,
+                              ungraded_outputs)
         export_s = time.perf_counter() - export_started
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)
@@ -229,7 +233,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
         return emit_programs(joint, Schedule(plan.schedule))
 
     step.run = build_step(module, call.args, call.kwargs, check_and_emit, call.device,
-                          frozenset(plan.dropped_outputs), options)
+                          frozenset(plan.dropped_outputs), options, frozenset(plan.ungraded_outputs))
     return step
 
 

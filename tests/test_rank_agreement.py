@@ -104,3 +104,53 @@ def test_any_failure_on_rank_zero_reaches_every_rank(tmp_path):
     assert r0["message"] == "RuntimeError: injected failure while planning"
     assert r1["message"].startswith("RematError") and "injected failure while planning" in r1["message"]
     assert r0["s"] < 30 and r1["s"] < 30
+
+
+def _outputs_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from remat_plugin.bench.models import build
+
+    bench = build("gpt2-tiny", n_layer=2, batch_size=4, seq_len=64, dtype=torch.float64)
+    plain = bench.module
+    ours = copy.deepcopy(plain)
+    session = _session(ours, budget=10**9)
+    models = {"plain": DDP(plain), "ours": DDP(ours)}
+    args, kwargs = bench.make_batch(rank)  # each rank its own data
+    record = []
+    for step in range(4):
+        hold = step >= 2  # steps 0-1 keep .loss only; steps 2-3 hold the output through backward
+        for name, model in models.items():
+            model.module.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            out = model(*args, **kwargs)
+            loss = out.loss
+            if not hold:
+                del out
+            loss.backward()
+            del loss
+            out = None
+        same = all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))
+        plan = session.plan
+        record.append((same, plan.dropped_outputs, plan.ungraded_outputs))
+    torch.save({"record": record, "solved": session.n_solved}, os.path.join(out_dir, f"rank{rank}.pt"))
+    del models
+    dist.destroy_process_group()
+
+
+def test_ranks_re_plan_together_for_the_outputs_their_callers_drop(tmp_path):
+    """Under DDP, a loss-only loop on both ranks: rank 0 plans again with the logits dropped and both run it;
+    once both hold the output through backward (no gradient reaching the logits), they re-plan for that.
+    Gradients stay those of plain DDP, bitwise."""
+    mp.spawn(_outputs_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["record"] == r1["record"]
+    assert all(same for same, _, _ in r0["record"])
+    logits = 1
+    # step 0 planned as the callers keep everything; step 1 ran the plan without the logits; step 2 ran it while
+    # the callers held them (warned), step 3 the plan that keeps them, without their gradient.
+    assert [(d, u) for _, d, u in r0["record"]] == [((), ()), ((logits,), ()), ((logits,), ()), ((), (logits,))]
+    assert (r0["solved"], r1["solved"]) == (1, 0)

@@ -2,7 +2,8 @@
 
 Trial-and-error finders (Lightning's ``BatchSizeFinder``, Accelerate's
 ``find_executable_batch_size``) run steps until one runs out of memory.  We have a memory
-model, so: capture the step at the first batch size ``b1`` and at ``2 b1`` and read every
+model, so: capture the step at the first batch size ``b1`` and at ``2 b1`` (no step runs:
+:func:`~remat_plugin.runtime.steps.capture_problem` stops at the problem) and read every
 value's size and op's time as a line in the batch size (parameters and their gradients do
 not grow, activations do; two points measure that instead of assuming it).  The problem at
 any batch size ``b`` is then known without running it (:func:`interpolate`), and the

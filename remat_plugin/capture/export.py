@@ -71,11 +71,20 @@ class OutputUsage:
     graded: frozenset[int]  # a gradient reached them
     backward_autocast: bool = False  # the backward ran inside a torch.autocast block
     differentiable: frozenset[int] = frozenset()  # those that carried a gradient into the step
+    output_bytes: tuple[int, ...] = ()  # each output's size (0 for one that is not a tensor)
 
     @property
     def dropped(self) -> frozenset[int]:
         """Outputs neither held nor differentiated: the step may free them once the forward returns them."""
         return frozenset(range(self.n_outputs)) - self.held - self.graded
+
+    @staticmethod
+    def combined(usages: list[OutputUsage]) -> OutputUsage:
+        """What several ranks' callers did together: held or differentiated on any rank counts."""
+        first = usages[0]
+        return OutputUsage(first.n_outputs, frozenset().union(*(u.held for u in usages)),
+                           frozenset().union(*(u.graded for u in usages)), first.backward_autocast,
+                           frozenset().union(*(u.differentiable for u in usages)), first.output_bytes)
 
     @property
     def ungraded(self) -> frozenset[int]:
@@ -89,6 +98,7 @@ class _OutputWatch:
     def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None],
                  backward_autocast: bool):
         self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
+        self.nbytes = tuple(t.nbytes if isinstance(t, torch.Tensor) else 0 for t in outputs)
         self.differentiable = differentiable
         self.record = record
         self.backward_autocast = backward_autocast  # where the step's backward was traced for
@@ -104,7 +114,7 @@ class _OutputWatch:
                         "differ from eager PyTorch's in rounding. Its next call is traced for backward() %s "
                         "the block", where, where)
         self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast,
-                                frozenset(self.differentiable)))
+                                frozenset(self.differentiable), self.nbytes))
 
 
 class _WatchedOutputs(torch.autograd.Function):

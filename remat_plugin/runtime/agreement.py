@@ -12,11 +12,17 @@ plan -- is raised on every rank with its message, at the same collective: no ran
 waiting for a plan that never comes (NOTE [a failure reaches every rank] in
 :mod:`~remat_plugin.runtime.dist`).  A call that makes a step adds two or three collectives
 to that ``all_gather``; a call that has one adds none.
+
+The ``all_gather`` also carries what each rank's caller did with the previous call's outputs:
+when every rank drops an output, or takes no gradient of it, rank 0 plans those shapes again
+for it and every rank runs the new plan (NOTE [output usage] in
+:mod:`~remat_plugin.runtime.resolver`); every rank decides that alike from the same gathered data.
 """
 from __future__ import annotations
 
 import logging
 
+from remat_plugin.capture.export import OutputUsage
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.resolver import BudgetFn, StepResolver
@@ -36,22 +42,52 @@ class RankAgreement:
     def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep:
         """The step this rank runs for this call: rank 0's plan when all ranks see the same shapes, else its own."""
         known = self.resolver.known_step(call)  # None too when parameters were replaced since it was built
-        gathered = dist.all_gather((call.key, known is not None))
-        if known is not None and all(have for _, have in gathered):
-            return known
-        if len({key for key, _ in gathered}) == 1:
+        usage = known.take_usage() if known is not None else None
+        solved_here = known is not None and known.problem is not None
+        gathered = dist.all_gather((call.key, known is not None, usage, solved_here))
+        same_shapes = len({key for key, *_ in gathered}) == 1
+        if known is not None and all(have for _, have, *_ in gathered):
+            outputs = self._agreed_outputs(call, known, gathered) if same_shapes else None
+            if outputs is None:
+                return known
+            # The re-plan keeps its plan's budget (at most): under DDP the call after the first also rebuilds the
+            # reducer's gradient buckets, an allocation the plan does not model, which that budget's headroom
+            # (the optimizer state then still to come) absorbed.
+            assert known.plan is not None
+            return self._agreed_step(call, budget, outputs, cap_bytes=known.plan.budget_bytes)
+        if same_shapes:
             return self._agreed_step(call, budget)
         if not self._warned:
             log.warning("remat_plugin: ranks see different input shapes; each rank plans its own shapes")
             self._warned = True
         return dist.on_every_rank(lambda: self.resolver.step_for(call, budget), "planning its own input shapes")
 
-    def _agreed_step(self, call: Call, budget: BudgetFn) -> PlannedStep:
-        """All ranks need a step for the same shapes: rank 0 decides the plan, every rank runs it."""
+    def _agreed_outputs(self, call: Call, known: PlannedStep,
+                        gathered: list) -> tuple[frozenset[int], frozenset[int]] | None:
+        """The outputs every rank's caller drops or takes no gradient of, when rank 0's plan should be made
+        again for them (NOTE [output usage] in :mod:`~remat_plugin.runtime.resolver`); the same on every rank,
+        from what every rank saw."""
+        usages = [usage for _, _, usage, _ in gathered]
+        if known.plan is None or known.plan.fallback or any(u is None for u in usages):
+            return None
+        return self.resolver.outputs_to_plan(call, known.plan, OutputUsage.combined(usages), gathered[0][3])
+
+    def _agreed_step(self, call: Call, budget: BudgetFn, outputs: tuple[frozenset[int], frozenset[int]] | None = None,
+                     cap_bytes: int | None = None) -> PlannedStep:
+        """All ranks need a step for the same shapes (``outputs``: again, for the outputs their callers drop or
+        take no gradient of, within ``cap_bytes``): rank 0 decides the plan, every rank runs it."""
         budget_bytes = min(dist.gathered(budget, "computing its budget"))
+        if cap_bytes is not None:
+            budget_bytes = min(budget_bytes, cap_bytes)
         made: list[PlannedStep] = []  # on rank 0, the step planning built (when the bucket is the call's shapes)
 
         def plan_on_rank_zero() -> str:
+            if outputs is not None:
+                solved = self.resolver.solve(call, budget_bytes, now=True, dropped_outputs=outputs[0],
+                                             ungraded_outputs=outputs[1], refine=True)
+                made.append(solved)
+                assert solved.plan is not None
+                return solved.plan.to_json()
             step = self.resolver.replay_known(call, budget_bytes)
             if step is not None:
                 plan = step.plan

@@ -261,7 +261,7 @@ class StepResolver:
             return step
         if usage is not None and usage.backward_autocast != self.execution.backward_autocast:
             return self._rebuilt_for_backward_autocast(call, usage.backward_autocast, budget)
-        outputs = self._outputs_to_plan(call, step, usage)
+        outputs = None if usage is None else self.outputs_to_plan(call, step.plan, usage, step.problem is not None)
         if outputs is None:
             return step
         dropped, ungraded = outputs
@@ -279,14 +279,13 @@ class StepResolver:
         step = self.steps[call.key] = self.new_step(call, budget())
         return step
 
-    def _outputs_to_plan(self, call: Call, step: PlannedStep,
-                         usage: OutputUsage | None) -> tuple[frozenset[int], frozenset[int]] | None:
+    def outputs_to_plan(self, call: Call, plan: Plan, usage: OutputUsage,
+                        solved_here: bool) -> tuple[frozenset[int], frozenset[int]] | None:
         """The outputs a new plan should free after the forward and those it should give no gradient (held
-        but ungraded), or None to keep the plan (NOTE [output usage])."""
-        assert step.plan is not None
-        if usage is None:
-            return None
-        dropped, ungraded = frozenset(step.plan.dropped_outputs), frozenset(step.plan.ungraded_outputs)
+        but ungraded), or None to keep ``plan`` (NOTE [output usage]).  ``solved_here``: the plan was solved
+        for these shapes, not replayed.  Depends only on its arguments and the calls refined before, so
+        ranks that see the same usage decide alike."""
+        dropped, ungraded = frozenset(plan.dropped_outputs), frozenset(plan.ungraded_outputs)
         kept = dropped - usage.dropped
         graded = (dropped | ungraded) & usage.graded
         if kept or graded:
@@ -301,12 +300,11 @@ class StepResolver:
                             "shapes for their gradient", sorted(graded - kept), model)
             still_dropped = dropped & usage.dropped
             return still_dropped, (dropped | ungraded) - usage.graded - still_dropped
-        if dropped or ungraded or step.problem is None or call.key in self._refined:
+        if dropped or ungraded or not solved_here or call.key in self._refined:
             return None
-        to_free = usage.dropped
-        without_gradient = usage.ungraded & frozenset(step.output_bytes)
-        saved = sum(step.output_bytes.get(i, 0) for i in to_free | without_gradient)
-        if saved < REFINE_MIN_SHARE * step.plan.predicted_peak_bytes:
+        to_free, without_gradient = usage.dropped, usage.ungraded
+        saved = sum(usage.output_bytes[i] for i in to_free | without_gradient if i < len(usage.output_bytes))
+        if saved < REFINE_MIN_SHARE * plan.predicted_peak_bytes:
             return None
         self._refined.add(call.key)
         log.info("remat_plugin: the caller drops output(s) %s and takes no gradient of output(s) %s (%s); planning "

@@ -78,7 +78,6 @@ class PlannedStep:
     problem: Problem | None = None
     checked: bool = False
     tensor_ids: tuple[int, ...] = ()
-    output_bytes: dict[int, int] = field(default_factory=dict)  # flat tensor output -> bytes of its storage
     to_meter: bool = False  # to be metered before its next call runs (NOTE [calibration])
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -152,7 +151,6 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
                                         ungraded_outputs=tuple(sorted(ungraded_outputs)),
                                         planning_stages=stages)
         step.problem, step.checked = problem, True
-        step.output_bytes = {i: joint.value_bytes(v) for i, v in joint.output_roots.items()}
         if on_plan is not None:
             on_plan(step)
         return emit_programs(joint, schedule)
@@ -252,8 +250,10 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     """Capture and profile ``module`` on these inputs; return ``(problem, constants)`` without planning.
 
     For solver studies, the batch-size search and the CLI: the problem is what
-    :func:`~remat_plugin.runtime.module.rematerialize` plans on.  Runs one forward of the
-    unmodified schedule (RNG and buffers restored afterwards).
+    :func:`~remat_plugin.runtime.module.rematerialize` plans on.  Runs no forward: tracing
+    stops once the problem is built, so the step's memory is never spent (the batch-size
+    search captures sizes above the budget).  Profiling runs one op at a time (RNG and
+    buffers restored afterwards).
     """
     call = Call.of(module, tuple(args), dict(kwargs or {}))
     found: dict[str, Any] = {}
@@ -262,11 +262,20 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
         if progress is not None:
             progress.stage(f"profile {len(joint.ops)} ops" if call.device.type != "meta" else "estimate op costs")
         found["problem"], found["constants"] = measured_problem(joint, call.device, progress, op_timings)
-        return emit_programs(joint, Schedule.keep_all(found["problem"]))
+        raise _ProblemCaptured  # nothing is compiled or run
 
     if progress is not None:
         progress.stage("capture")
     run = build_step(module, call.args, call.kwargs, record, call.device)
-    with suspended_user_modes(), unobserved(module, call.device):
-        run(call.args, call.kwargs)
+    try:
+        with suspended_user_modes(), unobserved(module, call.device):
+            run(call.args, call.kwargs)
+    except _ProblemCaptured:
+        pass
+    if "problem" not in found:
+        raise AssertionError("remat_plugin.capture: the trace ended without building the problem")
     return found["problem"], found["constants"]
+
+
+class _ProblemCaptured(Exception):
+    """Raised by :func:`capture_problem` once its problem is built, to end the trace there."""

@@ -60,6 +60,7 @@ class BatchSizeChoice:
     evaluated: tuple[Candidate, ...]
     trial_steps: int  # real steps run to verify
     measured_peak_bytes: int | None
+    search_s: float = 0.0  # wall time of the search and its verification steps (set by the runtime's tuner)
 
     def summary(self) -> str:
         nxt = (f"; {self.next_size.batch_size} would need {human_bytes(self.next_size.min_feasible_bytes)}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from typing import Any
 
 import torch
@@ -52,6 +53,9 @@ def measure_step(session: RematSession, args: tuple, kwargs: dict) -> int:
         p.grad = None
     with unobserved(module, device), PeakMeter(device if device.type == "cuda" else "cpu") as meter:
         _scalar(module(*args, **kwargs)).backward()
+    latest = session.resolver.latest
+    if latest is not None:
+        latest.take_usage()  # what this step did with the outputs is ours, not the training loop's (NOTE [output usage])
     for p, g in grads.items():
         p.grad = g
     return meter.peak_bytes
@@ -84,6 +88,7 @@ def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSi
     The objective, ``multiple_of`` and ``max_val`` are those of ``session.config`` (the objective is
     "max" when its ``auto_batch_size`` is off: a direct call asks for a size).
     """
+    started = time.perf_counter()
     config = session.config
     objective, multiple_of = str(config.auto_batch_size or "max"), config.multiple_of
     # every rank must decide alike: the smallest budget of all ranks; a failure anywhere stops every rank
@@ -109,4 +114,5 @@ def tune_batch_size(session: RematSession, args: tuple, kwargs: dict) -> BatchSi
                     "has no plan within" if peak == _NO_PLAN else f"measured {human_bytes(peak)} over",
                     human_bytes(budget), size - multiple_of)
         size -= multiple_of
-    return dataclasses.replace(choice, batch_size=size, trial_steps=trials, measured_peak_bytes=peak)
+    return dataclasses.replace(choice, batch_size=size, trial_steps=trials, measured_peak_bytes=peak,
+                               search_s=time.perf_counter() - started)

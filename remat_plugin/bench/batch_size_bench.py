@@ -137,6 +137,7 @@ def run(budget_bytes: int, n_layer: int = 4, n_embd: int = 256, n_head: int = 4,
     choice = auto.batch_size_choice
     assert choice is not None
     ours = {"batch_size": choice.batch_size, "trial_steps": choice.trial_steps, "wall_s": time.perf_counter() - t0,
+            "search_s": choice.search_s,
             "training_step_peak_bytes": max(p for _, p in ours_budget.steps), "summary": choice.summary(),
             "planned_sizes": [c.batch_size for c in choice.evaluated]}
 
@@ -151,15 +152,17 @@ def run(budget_bytes: int, n_layer: int = 4, n_embd: int = 256, n_head: int = 4,
         except InfeasibleBudgetError as exc:
             rm = rematerialize(probe, (), {"input_ids": ids, "labels": ids}, budget=exc.min_feasible_bytes)
 
+        floor_plan = rm.plan  # the next call plans again for what held() did with the outputs
+        assert floor_plan is not None
+
         def held() -> None:  # the outputs (logits) live to the end of backward, as the planner assumes
             out = rm(input_ids=ids, labels=ids)
             out.loss.backward()
 
         _, peak_held = measure_peak(held)
         _, peak_dropped = measure_peak(lambda: rm(input_ids=ids, labels=ids).loss.backward())
-        assert rm.plan is not None
         next_info = {"batch_size": nxt.batch_size, "floor_bytes": nxt.min_feasible_bytes,
-                     "plan_budget_bytes": rm.plan.budget_bytes, "predicted_peak_bytes": rm.plan.predicted_peak_bytes,
+                     "plan_budget_bytes": floor_plan.budget_bytes, "predicted_peak_bytes": floor_plan.predicted_peak_bytes,
                      "measured_peak_bytes": peak_held, "measured_peak_logits_dropped_bytes": peak_dropped}
 
     # Throughput at each chosen size, in interleaved pairs of forward+backward steps.
@@ -196,7 +199,8 @@ def format_report(r: dict[str, Any]) -> str:
         "",
         (f"ours / theirs: batch size {o['batch_size'] / t['batch_size']:.2f}x, samples/s "
          f"{o['samples_per_s'] / t['samples_per_s']:.2f}x (median of {r['pairs']} interleaved step pairs); "
-         f"our first training step peaked at {human_bytes(o['training_step_peak_bytes'])}."),
+         f"our first training step peaked at {human_bytes(o['training_step_peak_bytes'])}; the search with its "
+         f"verification step took {o['search_s']:.1f} s of our wall time (the rest: the trainer and its one step)."),
     ]
     if n:
         lines.append(f"next size {n['batch_size']}: planner floor {human_bytes(n['floor_bytes'])}; its smallest "

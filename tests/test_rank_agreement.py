@@ -154,3 +154,54 @@ def test_ranks_re_plan_together_for_the_outputs_their_callers_drop(tmp_path):
     # the callers held them (warned), step 3 the plan that keeps them, without their gradient.
     assert [(d, u) for _, d, u in r0["record"]] == [((), ()), ((logits,), ()), ((logits,), ()), ((), (logits,))]
     assert (r0["solved"], r1["solved"]) == (1, 0)
+
+
+def _calibration_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from remat_plugin.runtime import agreement
+
+    real_meter = agreement.metered_step
+    metered = []
+
+    def metering(module, step, call):  # rank 1's allocator sees 1 MiB more than the plan predicts, once
+        peak = real_meter(module, step, call)
+        metered.append(peak)
+        return peak + (2**20 if rank == 1 and len(metered) == 1 else 0)
+
+    agreement.metered_step = metering
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(128, 128), nn.GELU(), nn.Dropout(0.1)]
+    plain = nn.Sequential(*layers, nn.Linear(128, 1)).double()
+    ours = copy.deepcopy(plain)
+    x = torch.randn(256, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    session = _session(ours, budget=10**9)
+    models = {"plain": DDP(plain), "ours": DDP(ours)}
+    same = True
+    for step in range(3):
+        for model in models.values():
+            model.module.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            model(x).square().mean().backward()
+        same &= all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))
+    key = next(iter(session.resolver.steps))
+    torch.save({"same": same, "metered": len(metered), "corrections": session.resolver.calibration.corrections[key],
+                "agreed": session.agreement._agreed[key].to_json()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    del models
+    dist.destroy_process_group()
+
+
+def test_ranks_meter_a_new_plan_and_correct_it_together(tmp_path):
+    """NOTE [calibration] under DDP: every rank meters the agreed plan before its first step; one rank's peak above
+    the prediction makes rank 0 plan again with the gap kept back, and both run that plan (metered in turn)."""
+    mp.spawn(_calibration_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["same"] and r1["same"]
+    assert r0["metered"] == r1["metered"] == 2  # the first plan, then the corrected one; nothing once settled
+    assert r0["corrections"] == r1["corrections"] and len(r0["corrections"]) == 1 and r0["corrections"][0] > 0.9 * 2**20
+    assert r0["agreed"] == r1["agreed"]

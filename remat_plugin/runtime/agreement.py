@@ -17,17 +17,23 @@ The ``all_gather`` also carries what each rank's caller did with the previous ca
 when every rank drops an output, or takes no gradient of it, rank 0 plans those shapes again
 for it and every rank runs the new plan (NOTE [output usage] in
 :mod:`~remat_plugin.runtime.resolver`); every rank decides that alike from the same gathered data.
+A step agreed on is metered on every rank before its first call runs, and corrected together
+(NOTE [calibration]): one more collective per new plan.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 from remat_plugin.capture.export import OutputUsage
+from remat_plugin.errors import InfeasibleBudgetError, RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist
+from remat_plugin.runtime.calibration import metered_step
 from remat_plugin.runtime.resolver import BudgetFn, StepResolver
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PlannedStep
+from remat_plugin.torch_private import profiler_active
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,10 @@ class RankAgreement:
     def __init__(self, resolver: StepResolver):
         self.resolver = resolver
         self._warned = False
+        self._to_meter: set[str] = set()  # keys of steps agreed and not yet metered (NOTE [calibration])
+        # The plan rank 0 sent, by key: identical on every rank (a replaying rank's own step predicts its peak
+        # without rank 0's measured scratch), so decisions made from it are the same everywhere.
+        self._agreed: dict[str, Plan] = {}
 
     def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep:
         """The step this rank runs for this call: rank 0's plan when all ranks see the same shapes, else its own."""
@@ -53,8 +63,7 @@ class RankAgreement:
             # The re-plan keeps its plan's budget (at most): under DDP the call after the first also rebuilds the
             # reducer's gradient buckets, an allocation the plan does not model, which that budget's headroom
             # (the optimizer state then still to come) absorbed.
-            assert known.plan is not None
-            return self._agreed_step(call, budget, outputs, cap_bytes=known.plan.budget_bytes)
+            return self._agreed_step(call, budget, outputs, cap_bytes=self._agreed[call.key].budget_bytes)
         if same_shapes:
             return self._agreed_step(call, budget)
         if not self._warned:
@@ -68,9 +77,10 @@ class RankAgreement:
         again for them (NOTE [output usage] in :mod:`~remat_plugin.runtime.resolver`); the same on every rank,
         from what every rank saw."""
         usages = [usage for _, _, usage, _ in gathered]
-        if known.plan is None or known.plan.fallback or any(u is None for u in usages):
+        plan = self._agreed.get(call.key)
+        if plan is None or plan.fallback or any(u is None for u in usages):
             return None
-        return self.resolver.outputs_to_plan(call, known.plan, OutputUsage.combined(usages), gathered[0][3])
+        return self.resolver.outputs_to_plan(call, plan, OutputUsage.combined(usages), gathered[0][3])
 
     def _agreed_step(self, call: Call, budget: BudgetFn, outputs: tuple[frozenset[int], frozenset[int]] | None = None,
                      cap_bytes: int | None = None) -> PlannedStep:
@@ -108,4 +118,46 @@ class RankAgreement:
             return self.resolver.replay(plan, call, budget_bytes)
 
         step = self.resolver.steps[call.key] = dist.on_every_rank(run_it_here, "building its step of rank 0's plan")
+        self._to_meter.add(call.key)
+        self._agreed[call.key] = plan
         return step
+
+    def calibrated(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
+        """``step``, metered on every rank before its first call runs, or the plan that metering called for.
+
+        NOTE [calibration] (:mod:`~remat_plugin.runtime.calibration`) across ranks: each rank meters its
+        own step; the highest peak decides, alike on every rank (the same plan, the same measurements),
+        whether rank 0 plans again with the gap kept back.  A caller's profiler on any rank defers it.
+        """
+        while call.key in self._to_meter:
+            plan = self._agreed[call.key]
+            if plan.fallback:
+                self._to_meter.discard(call.key)
+                return step
+
+            results = dist.gathered(functools.partial(self._meter, call, step), "metering its step")
+            if any(deferred for deferred, _ in results):
+                return step
+            self._to_meter.discard(call.key)
+            measured = [peak for _, peak in results if peak is not None]
+            if not measured or not self.resolver.calibration.correct(call, plan, max(measured)):
+                return step
+            outputs = (frozenset(plan.dropped_outputs), frozenset(plan.ungraded_outputs))
+            try:
+                step = self._agreed_step(call, budget, outputs, cap_bytes=plan.budget_bytes)
+            except RematError as err:  # rank 0 raised InfeasibleBudgetError; the others a RematError naming it
+                if not isinstance(err, InfeasibleBudgetError) and InfeasibleBudgetError.__name__ not in str(err):
+                    raise
+                if max(measured) > plan.budget_bytes:
+                    raise
+                self.resolver.calibration.withdraw(call)
+                log.warning("remat_plugin: calibration: no plan keeps that much back; keeping the plan, which "
+                            "measured within the budget on every rank")
+                return step
+        return step
+
+    def _meter(self, call: Call, step: PlannedStep) -> tuple[bool, int | None]:
+        """(deferred, this rank's metered peak): deferred while a caller's profiler records (sessions do not nest)."""
+        if profiler_active():
+            return True, None
+        return False, metered_step(self.resolver.module, step, call)

@@ -12,7 +12,8 @@ NOTE [calibration]
     :class:`~remat_plugin.errors.InfeasibleBudgetError`; one that measured within it is kept.
     A prediction above the measurement is budget left unused, not a risk: it is not corrected.
     Metering runs with the caller's dispatch modes suspended, and waits while the caller's
-    profiler runs (sessions do not nest).
+    profiler runs (sessions do not nest).  With several ranks, each meters the plan rank 0 sent
+    and the highest peak decides for all (:meth:`~remat_plugin.runtime.agreement.RankAgreement.calibrated`).
 """
 from __future__ import annotations
 

@@ -112,6 +112,8 @@ class RematSession:
         step = self.agreement.step_for(call, budget) if distributed else None
         if step is None:
             step = self.resolver.step_for(call, budget)
+        else:
+            step = self.agreement.calibrated(call, step, budget)  # single-process: in resolver.run
         # ranks run one agreed plan: the agreement re-plans for the output usage all of them saw, never one rank
         # alone (NOTE [output usage])
         return self.resolver.run(call, step, budget, replan_on_mismatch=not distributed, refine=not distributed)

@@ -168,3 +168,18 @@ def test_a_held_output_no_gradient_reaches_gets_none_and_a_later_gradient_is_add
         _step(rm, reference, batch, 3, keep_output=True, loss_of=loss_of)  # ... and planned for
     assert "a gradient reached output(s) [1]" in caplog.text
     assert rm.plan.ungraded_outputs == () and rm.plan.dropped_outputs == ()
+
+
+def test_a_step_without_gradients_after_planning_runs():
+    """Parameters frozen after the plan left the logits' gradient out: the call differentiates nothing, and runs."""
+    module, reference, batch = _gpt2()
+    rm = rematerialize(module, *batch, budget=40 * 2**20, verbose=False)
+    _step(rm, reference, batch, 0)
+    _step(rm, reference, batch, 1)
+    assert rm.plan.dropped_outputs == (LOGITS,)
+    for m in (module, reference):
+        m.requires_grad_(False)
+    torch.manual_seed(2)
+    ours = rm(*batch[0], **batch[1]).loss
+    torch.manual_seed(2)
+    assert torch.equal(ours, reference(*batch[0], **batch[1]).loss) and not ours.requires_grad

@@ -222,6 +222,8 @@ class CompiledStep:
         self.usage = usage
 
     def _keep_missing_gradients(self, flat_out: tuple) -> None:
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_out):
+            return  # nothing to differentiate this call (parameters frozen since): no node to tell
         node = compiled_node(flat_out)
         if node is None:
             raise CaptureError(

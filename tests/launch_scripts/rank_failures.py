@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -145,6 +146,11 @@ def main() -> None:
     }
     with open(f"{opts.json}.rank{rank}.json", "w") as f:
         json.dump(result, f)
+    # DDP's reducers go while the process group is alive: left to interpreter exit, gloo can abort a rank in their
+    # destructor ("terminate called without an active exception"), as one CI-like run showed.
+    del model, plain, optimizers, inner
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def _measured_or_infeasible(session: RematSession, args: tuple, kwargs: dict) ->
     except RematError as err:
         # Under DDP rank 0 plans for all: it raises the InfeasibleBudgetError, the other ranks a RematError
         # that names it (runtime/dist.py); both mean "no plan here", on every rank alike.
-        if not isinstance(err, InfeasibleBudgetError) and InfeasibleBudgetError.__name__ not in str(err):
+        if not dist.failed_with(err, InfeasibleBudgetError):
             raise
         log.info("remat_plugin: %s", err)
         return _NO_PLAN

@@ -26,7 +26,6 @@ import functools
 import logging
 
 from remat_plugin.capture.export import OutputUsage
-from remat_plugin.errors import InfeasibleBudgetError, RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.calibration import metered_step
@@ -57,7 +56,7 @@ class RankAgreement:
         gathered = dist.all_gather((call.key, known is not None, usage, solved_here))
         same_shapes = len({key for key, *_ in gathered}) == 1
         if known is not None and all(have for _, have, *_ in gathered):
-            outputs = self._agreed_outputs(call, known, gathered) if same_shapes else None
+            outputs = self._agreed_outputs(call, gathered) if same_shapes else None
             if outputs is None:
                 return known
             # The re-plan keeps its plan's budget (at most): under DDP the call after the first also rebuilds the
@@ -71,8 +70,7 @@ class RankAgreement:
             self._warned = True
         return dist.on_every_rank(lambda: self.resolver.step_for(call, budget), "planning its own input shapes")
 
-    def _agreed_outputs(self, call: Call, known: PlannedStep,
-                        gathered: list) -> tuple[frozenset[int], frozenset[int]] | None:
+    def _agreed_outputs(self, call: Call, gathered: list) -> tuple[frozenset[int], frozenset[int]] | None:
         """The outputs every rank's caller drops or takes no gradient of, when rank 0's plan should be made
         again for them (NOTE [output usage] in :mod:`~remat_plugin.runtime.resolver`); the same on every rank,
         from what every rank saw."""
@@ -139,21 +137,13 @@ class RankAgreement:
             if any(deferred for deferred, _ in results):
                 return step
             self._to_meter.discard(call.key)
-            measured = [peak for _, peak in results if peak is not None]
-            if not measured or not self.resolver.calibration.correct(call, plan, max(measured)):
-                return step
+            measured = max((peak for _, peak in results if peak is not None), default=None)
             outputs = (frozenset(plan.dropped_outputs), frozenset(plan.ungraded_outputs))
-            try:
-                step = self._agreed_step(call, budget, outputs, cap_bytes=plan.budget_bytes)
-            except RematError as err:  # rank 0 raised InfeasibleBudgetError; the others a RematError naming it
-                if not isinstance(err, InfeasibleBudgetError) and InfeasibleBudgetError.__name__ not in str(err):
-                    raise
-                if max(measured) > plan.budget_bytes:
-                    raise
-                self.resolver.calibration.withdraw(call)
-                log.warning("remat_plugin: calibration: no plan keeps that much back; keeping the plan, which "
-                            "measured within the budget on every rank")
+            replanned = self.resolver.calibration.replanned(call, plan, measured, functools.partial(
+                self._agreed_step, call, budget, outputs, cap_bytes=plan.budget_bytes))
+            if replanned is None:
                 return step
+            step = replanned
         return step
 
     def _meter(self, call: Call, step: PlannedStep) -> tuple[bool, int | None]:

@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from remat_plugin.capture.export import EAGER
 from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
-from remat_plugin.errors import human_bytes
+from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
+from remat_plugin.runtime import dist
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PlannedStep
@@ -120,6 +122,23 @@ class Calibration:
         log.warning("remat_plugin: calibration: %s; planning again with %s more kept back (correction %d of %d)",
                     where, human_bytes(gap), len(corrections), MAX_CORRECTIONS)
         return True
+
+    def replanned(self, call: Call, plan: Plan, measured: int | None,
+                  replan: Callable[[], PlannedStep]) -> PlannedStep | None:
+        """The step ``replan()`` makes when ``measured`` (``plan``'s metered peak) calls for a correction, or None
+        to keep ``plan``.  If no plan fits with the correction, a plan that measured over its budget raises; one
+        within it is kept and the correction withdrawn."""
+        if measured is None or not self.correct(call, plan, measured):
+            return None
+        try:
+            return replan()
+        except RematError as err:  # under several ranks, rank 0's InfeasibleBudgetError arrives as a RematError
+            if not dist.failed_with(err, InfeasibleBudgetError) or measured > plan.budget_bytes:
+                raise
+        self.withdraw(call)
+        log.warning("remat_plugin: calibration: no plan keeps that much back; keeping the plan, which "
+                    "measured within the budget")
+        return None
 
     def withdraw(self, call: Call) -> None:
         """Forget the latest correction: no plan keeps it back, and the plan it corrected measured within budget."""

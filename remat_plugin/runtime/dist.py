@@ -93,6 +93,11 @@ def _text(error: Exception | None) -> str | None:
     return None if error is None else f"{type(error).__name__}: {error}"
 
 
+def failed_with(err: Exception, kind: type[Exception]) -> bool:
+    """``err`` is a ``kind`` raised on this rank, or the :class:`RematError` another rank's ``kind`` became here."""
+    return isinstance(err, kind) or (isinstance(err, RematError) and kind.__name__ in str(err))
+
+
 def _raise_if_failed(doing: str, error: Exception | None, texts: list[str | None]) -> None:
     """Raise ``error`` where it happened; on the other ranks, the first failure of ``texts`` (indexed by rank)."""
     if error is not None:

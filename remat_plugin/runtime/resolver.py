@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -318,21 +319,17 @@ class StepResolver:
             step.to_meter = False  # a caller's profiler defers metering to a later call: sessions do not nest
             plan, measured = step.plan, metered_step(self.module, step, call)
             assert plan is not None
-            if measured is None or not self.calibration.correct(call, plan, measured):
+            replanned = self.calibration.replanned(call, plan, measured, functools.partial(
+                self._resolve_now, call, budget, frozenset(plan.dropped_outputs), frozenset(plan.ungraded_outputs)))
+            if replanned is None:
                 break
-            try:
-                step = self.steps[call.key] = self.solve(call, budget(), now=True, refine=True,
-                                                         dropped_outputs=frozenset(plan.dropped_outputs),
-                                                         ungraded_outputs=frozenset(plan.ungraded_outputs))
-            except InfeasibleBudgetError:
-                if measured > plan.budget_bytes:
-                    raise
-                self.calibration.withdraw(call)
-                log.warning("remat_plugin: calibration: no plan keeps that much back; keeping the plan, which "
-                            "measured within the budget")
-                break
+            step = self.steps[call.key] = replanned
         self.latest = step
         return step
+
+    def _resolve_now(self, call: Call, budget: BudgetFn, dropped: frozenset[int], ungraded: frozenset[int]) -> PlannedStep:
+        """A new plan of these shapes, made before the call runs (a calibration correction)."""
+        return self.solve(call, budget(), now=True, refine=True, dropped_outputs=dropped, ungraded_outputs=ungraded)
 
     def _call(self, step: PlannedStep, call: Call, budget: BudgetFn | None) -> Any:
         with self._planning.pop(call.key, contextlib.nullcontext()):

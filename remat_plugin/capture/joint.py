@@ -21,6 +21,8 @@ NOTE [random ops]
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import operator
 from dataclasses import dataclass, field
 from typing import cast
@@ -109,6 +111,13 @@ class JointGraph:
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]
+
+    @functools.cached_property
+    def structure_key(self) -> str:
+        """What a schedule depends on: the graph's ops and their targets, not their sizes (equal at every shape
+        that traces the same code)."""
+        desc = "|".join(f"{n.name}:{n.target}" for n in self.ops)
+        return hashlib.sha1(f"{self.num_fwd_outputs}|{desc}".encode()).hexdigest()[:16]
 
     def __post_init__(self) -> None:
         self._by_name = {n.name: n for n in self.gm.graph.nodes}

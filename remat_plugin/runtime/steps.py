@@ -13,7 +13,6 @@ trace; so a :class:`PlannedStep` knows its plan and problem once it has been cal
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,12 +94,6 @@ class PlannedStep:
         return usage
 
 
-def graph_key(joint: JointGraph) -> str:
-    """What a schedule depends on: the joint graph's ops and their targets, not their sizes."""
-    desc = "|".join(f"{n.name}:{n.target}" for n in joint.ops)
-    return hashlib.sha1(f"{joint.num_fwd_outputs}|{desc}".encode()).hexdigest()[:16]
-
-
 def measured_problem(joint: JointGraph, device: torch.device, progress=None,
                      op_timings: OpTimings | None = None) -> tuple[Problem, set[str]]:
     """The planning problem of ``joint`` with costs measured on ``device`` (estimated on ``meta``),
@@ -147,7 +140,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
         stages = (("export", export_s), ("trace", t0 - trace_started), ("profile", t_solve - t0),
                   *plan.planning_stages)
         step.plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=call.key,
-                                        graph_key=graph_key(joint), dropped_outputs=tuple(sorted(dropped_outputs)),
+                                        graph_key=joint.structure_key, dropped_outputs=tuple(sorted(dropped_outputs)),
                                         ungraded_outputs=tuple(sorted(ungraded_outputs)),
                                         planning_stages=stages)
         step.problem, step.checked = problem, True
@@ -214,7 +207,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
     step = PlannedStep(run=_not_built, signature_key=call.key, plan=plan, tensor_ids=call.tensor_ids)
 
     def check_and_emit(joint: JointGraph):
-        key = graph_key(joint)
+        key = joint.structure_key
         if key != plan.graph_key:
             raise PlanMismatch(f"graph {key} is not the plan's graph {plan.graph_key}")
         problem = joint.to_problem({}, {})  # sizes decide the fit; times are the plan's

@@ -13,7 +13,7 @@ PYTEST := -m pytest -q -n 2
 CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs_table.py tests/test_session.py \
 	tests/test_memory.py tests/test_layers.py tests/test_training_loop.py tests/test_lightning.py \
 	tests/test_accelerate_hook.py tests/test_ddp.py tests/test_rank_agreement.py tests/test_mixed_precision.py \
-	tests/test_compile.py tests/test_segmented_backward.py tests/test_output_usage.py
+	tests/test_compile.py tests/test_segmented_backward.py tests/test_output_usage.py tests/test_dropout_masks.py
 # On torch 2.14 the mixed-precision sweeps (150 s) are left out: the other tests of that file reach the same
 # private APIs (traced_like_eager) in a few seconds.
 CORE_DESELECT := -k "not every_budget"

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.compiled_programs import compile_program
+from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
@@ -277,6 +278,7 @@ def build_step(
     n_params = len(dict(module.named_parameters()))
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
+        split_dropouts(joint_gm)  # NOTE [dropout masks]
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)

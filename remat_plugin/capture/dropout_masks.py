@@ -1,0 +1,91 @@
+"""Dropout as its random mask and a multiply, so a plan can keep the mask and recompute the output cheaply.
+
+NOTE [dropout masks]
+    ``aten.native_dropout`` makes a dropout's output and its mask in one op, and on CPU drawing
+    the mask is most of its time: on gpt2-tiny the dropouts are 103 of the forward's 319 ms,
+    with three times the bytes moved per element of a multiply.  A plan that frees a dropout's
+    output had to run the whole op again, its draws replayed.  On CPU, for float32 and float64
+    inputs, each ``native_dropout(x, p, train)`` of the joint graph becomes
+
+        mask = dropout_mask(shape, strides, dtype, p)  # the draws: bernoulli_(1 - p), as bool
+        out = apply_dropout_mask(x, mask, p)           # x * mask * (1 / (1 - p))
+
+    which is what PyTorch's CPU kernel computes, bit for bit: the same draws from the same
+    generator, the stream left where the kernel leaves it (``tests/test_dropout_masks.py``, on
+    every torch the project supports).  The mask reads no tensor, so the plan may draw it again
+    without the dropout's input; or keep it (one byte per element, a quarter of a float32
+    output) and recompute the output with one multiply.  CUDA's fused kernel draws otherwise
+    (Philox), and reduced precision rounds otherwise, so their dropouts stay as they are.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+_REWRITTEN_DTYPES = (torch.float32, torch.float64)
+
+
+@torch.library.custom_op("remat_plugin::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_mask(size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device, p: float) -> torch.Tensor:
+    """Which elements a CPU ``native_dropout`` keeps: its very draws, as a bool tensor of the input's layout."""
+    draws = torch.empty_strided(size, stride, dtype=dtype, device=device)
+    return draws.bernoulli_(1.0 - p).to(torch.bool)
+
+
+@dropout_mask.register_fake
+def _(size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device, p: float) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=torch.bool, device=device)
+
+
+@torch.library.custom_op("remat_plugin::apply_dropout_mask", mutates_args=())
+def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """The dropout's output: ``x * mask`` scaled by ``1 / (1 - p)``, as the CPU kernel computes it."""
+    return x.mul(mask).mul_(1.0 / (1.0 - p))
+
+
+@apply_dropout_mask.register_fake
+def _(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _rewritable(node: fx.Node) -> bool:
+    if node.target is not torch.ops.aten.native_dropout.default or node.kwargs:
+        return False
+    x, p, *rest = node.args
+    train = rest[0] if rest else None
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return (train is not False and isinstance(p, float) and 0.0 <= p < 1.0 and isinstance(val, torch.Tensor)
+            and val.device.type == "cpu" and val.dtype in _REWRITTEN_DTYPES
+            and all(u.target is operator.getitem for u in node.users))
+
+
+def split_dropouts(gm: fx.GraphModule) -> int:
+    """Rewrite the joint graph's CPU dropouts into a mask and a multiply (NOTE [dropout masks]); how many."""
+    graph = gm.graph
+    done = 0
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)):
+        if not _rewritable(node):
+            continue
+        x, p = node.args[0], node.args[1]
+        xval = x.meta["val"]  # type: ignore[union-attr]
+        parts = {u.args[1]: u for u in node.users}
+        with graph.inserting_before(node):
+            mask = graph.call_function(torch.ops.remat_plugin.dropout_mask.default,
+                                       (list(xval.shape), list(xval.stride()), xval.dtype, xval.device, p))
+            out = graph.call_function(torch.ops.remat_plugin.apply_dropout_mask.default, (x, mask, p))
+        for index, made in ((0, out), (1, mask)):
+            part = parts.get(index)
+            if part is not None:
+                made.meta = dict(part.meta)
+                part.replace_all_uses_with(made)
+                graph.erase_node(part)
+        with xval.fake_mode:  # an output nothing read had no getitem to copy from
+            mask.meta.setdefault("val", torch.empty_strided(xval.shape, xval.stride(), dtype=torch.bool))
+            out.meta.setdefault("val", torch.empty_like(xval))
+        graph.erase_node(node)
+        done += 1
+    if done:
+        gm.recompile()
+    return done

@@ -104,3 +104,17 @@ def test_n_layer_on_fixed_depth_model_is_refused(capsys):
         main(["--model", "mlp-chain,resnet-tiny", "--n-layer", "2"])
     assert exc.value.code == 2
     assert "resnet-tiny have a fixed depth" in capsys.readouterr().err
+
+
+def test_recompute_breakdown_adds_up_to_the_plan():
+    """``bench recompute-breakdown``: forward, backward and recomputed times are the plan's own prediction, the
+    kinds add up to the forward, and the plan at per-layer checkpointing's measured peak stays under it."""
+    from remat_plugin.bench.recompute_breakdown import op_kind, run
+
+    r = run("mlp-chain", "per-layer")
+    step = r["forward_ms"] + r["backward_ms"]
+    assert (step + r["recomputed_ms"]) / step == pytest.approx(r["predicted_overhead"], rel=1e-9)
+    assert r["recomputed_ms"] > 0 and r["measured_peak_bytes"] <= r["budget_bytes"]
+    assert sum(k["fwd_ms"] for k in r["kinds"].values()) == pytest.approx(r["forward_ms"])
+    assert sum(k["recomputed_ms"] for k in r["kinds"].values()) == pytest.approx(r["recomputed_ms"])
+    assert op_kind("apply_dropout_mask_default_12") == "apply_dropout_mask" and op_kind("addmm_3") == "addmm"

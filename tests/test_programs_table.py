@@ -21,10 +21,12 @@ from remat_plugin.planning.menus import kept_reads
 # mm_1 = tangents^T @ relu (grad W2), sum_1 (grad b2), threshold_backward(mm, relu),
 # mm_2 = threshold_backward^T @ x (grad W1, reads primals_5), sum_2 (grad b1).
 #
-# "dropout_mlp" adds Dropout(0.5) after the ReLU: native_dropout (random) reads relu and makes
-# getitem (output, 3x8 float) and getitem_1 (mask, 3x8 bool); addmm_1 and mm_1 read getitem;
-# native_dropout_backward(mm, getitem_1) comes before threshold_backward(native_dropout_backward, relu).
+# "dropout_mlp" adds Dropout(0.5) after the ReLU, captured as its mask and a multiply (NOTE [dropout masks]):
+# dropout_mask_default (random, reads no tensor) makes the mask (3x8 bool, 24 B) and apply_dropout_mask_default
+# reads relu and the mask and makes the output (3x8 float); addmm_1 and mm_1 read that output;
+# native_dropout_backward(mm, mask) comes before threshold_backward(native_dropout_backward, relu).
 MLP_BWD = ("__tangents__", "mm", "mm_1", "sum_1", "threshold_backward", "mm_2", "sum_2")
+DROP_MASK, DROP_OUT = "dropout_mask_default", "apply_dropout_mask_default"
 DROP_BWD = ("__tangents__", "mm", "mm_1", "sum_1", "native_dropout_backward", "threshold_backward", "mm_2", "sum_2")
 
 
@@ -66,13 +68,16 @@ CASES = {
                              ["primals_3", "primals_2", "primals_5", "primals_1"], 0),
     # recompute only relu: it reads addmm, which is kept instead of relu (same 96 bytes)
     "mlp_recompute_relu": ("mlp", _with(MLP_BWD, "mm_1", ("relu",)), ["primals_3", "addmm", "primals_5"], 96),
-    # keep-all with dropout: mm_1 reads getitem (96 B), native_dropout_backward reads the mask
-    # getitem_1 (24 B of bool), threshold_backward relu (96 B): 216 bytes; no RNG state is needed
-    "dropout_keep_all": ("dropout_mlp", DROP_BWD, ["primals_3", "getitem", "getitem_1", "relu", "primals_5"], 216),
-    # recompute the dropout before mm_1: it reads relu and its generator state native_dropout__rng
-    # (CPU state: 5056 bytes); its outputs getitem, getitem_1 are then made, not kept: 96 + 5056
-    "dropout_recompute": ("dropout_mlp", _with(DROP_BWD, "mm_1", ("native_dropout",)),
-                          ["primals_3", "relu", "native_dropout__rng", "primals_5"], 96 + 5056),
+    # keep-all with dropout: mm_1 reads the dropout's output (96 B), native_dropout_backward its mask
+    # (24 B of bool), threshold_backward relu (96 B): 216 bytes; no RNG state is needed
+    "dropout_keep_all": ("dropout_mlp", DROP_BWD, ["primals_3", DROP_OUT, DROP_MASK, "relu", "primals_5"], 216),
+    # recompute the whole dropout before mm_1: the mask from its generator state dropout_mask_default__rng
+    # (CPU state: 5056 bytes), the output from relu and that mask: 96 + 5056
+    "dropout_recompute": ("dropout_mlp", _with(DROP_BWD, "mm_1", (DROP_MASK, DROP_OUT)),
+                          ["primals_3", DROP_MASK + "__rng", "relu", "primals_5"], 96 + 5056),
+    # recompute only the output: the mask is kept (24 B), no draw is replayed: 96 + 24
+    "dropout_recompute_output": ("dropout_mlp", _with(DROP_BWD, "mm_1", (DROP_OUT,)),
+                                 ["primals_3", "relu", DROP_MASK, "primals_5"], 96 + 24),
 }
 
 
@@ -92,7 +97,8 @@ def test_kept_values(name: str) -> None:
     assert simulate(problem, schedule).kept_bytes == kept_bytes
 
 
-@pytest.mark.parametrize("name", ["mlp_keep_all", "mlp_recompute_hidden", "dropout_recompute"])
+@pytest.mark.parametrize("name", ["mlp_keep_all", "mlp_recompute_hidden", "dropout_recompute",
+                                  "dropout_recompute_output"])
 def test_forward_program_saves_kept_values(name: str) -> None:
     """The emitted forward program returns the model output plus exactly the kept values."""
     model, seq, expected, _ = CASES[name]
@@ -109,7 +115,7 @@ def test_forward_program_saves_kept_values(name: str) -> None:
     assert bw_inputs[: len(saved)] == saved and bw_inputs[len(saved):] == ["tangents_1"]
 
 
-@pytest.mark.parametrize("name", ["mlp_recompute_hidden", "dropout_recompute"])
+@pytest.mark.parametrize("name", ["mlp_recompute_hidden", "dropout_recompute", "dropout_recompute_output"])
 def test_recomputing_programs_match_keep_all_gradients(name: str) -> None:
     """Programs of a recomputing schedule give keep-all's output and gradients (dropout replays its mask)."""
     model_name, seq, _, _ = CASES[name]

@@ -105,10 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 
         ddp_overlap_main(argv[1:])
         return 0
-    if argv[:1] == ["dropped-outputs"]:  # a loss-only step's dropped logits: gradient left out against materialized
-        from remat_plugin.bench.dropped_outputs import main as dropped_outputs_main
+    if argv[:1] in (["dropped-outputs"], ["dropout-masks"]):  # one capture feature on against off
+        from remat_plugin.bench.capture_features import main as capture_feature_main
 
-        dropped_outputs_main(argv[1:])
+        capture_feature_main(argv[1:], feature=argv[0])
+        return 0
+    if argv[:1] == ["recompute-breakdown"]:  # a low budget's plan: op times forward and recomputed, by kind of op
+        from remat_plugin.bench.recompute_breakdown import main as recompute_breakdown_main
+
+        recompute_breakdown_main(argv[1:])
         return 0
     if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
         from remat_plugin.bench.batch_size_bench import main as batch_size_main

@@ -19,12 +19,27 @@ NOTE [dropout masks]
 """
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 
 import torch
 from torch import fx
 
 _REWRITTEN_DTYPES = (torch.float32, torch.float64)
+_splitting = True  # off only inside dropouts_as_traced()
+
+
+@contextlib.contextmanager
+def dropouts_as_traced() -> Iterator[None]:
+    """Steps captured inside keep each dropout one random op, as before NOTE [dropout masks]: the baseline
+    ``python -m remat_plugin.bench dropout-masks`` measures against."""
+    global _splitting
+    before, _splitting = _splitting, False
+    try:
+        yield
+    finally:
+        _splitting = before
 
 
 @torch.library.custom_op("remat_plugin::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
@@ -63,6 +78,8 @@ def _rewritable(node: fx.Node) -> bool:
 
 def split_dropouts(gm: fx.GraphModule) -> int:
     """Rewrite the joint graph's CPU dropouts into a mask and a multiply (NOTE [dropout masks]); how many."""
+    if not _splitting:
+        return 0
     graph = gm.graph
     done = 0
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.native_dropout.default)):
@@ -76,12 +93,13 @@ def split_dropouts(gm: fx.GraphModule) -> int:
                                        (list(xval.shape), list(xval.stride()), xval.dtype, xval.device, p))
             out = graph.call_function(torch.ops.remat_plugin.apply_dropout_mask.default, (x, mask, p))
         for index, made in ((0, out), (1, mask)):
+            made.meta = {k: v for k, v in node.meta.items() if k != "val"}  # forward/backward tag, stack trace
             part = parts.get(index)
             if part is not None:
-                made.meta = dict(part.meta)
+                made.meta["val"] = part.meta["val"]
                 part.replace_all_uses_with(made)
                 graph.erase_node(part)
-        with xval.fake_mode:  # an output nothing read had no getitem to copy from
+        with xval.fake_mode:  # an output nothing reads has no getitem to take it from
             mask.meta.setdefault("val", torch.empty_strided(xval.shape, xval.stride(), dtype=torch.bool))
             out.meta.setdefault("val", torch.empty_like(xval))
         graph.erase_node(node)

@@ -1,36 +1,48 @@
-"""A training step with the gradients of outputs it does not differentiate left out, against them materialized.
+"""One capture feature on against off: two copies of a model planned at one budget, stepped interleaved.
 
     python -m remat_plugin.bench dropped-outputs [--model gpt2-tiny] [--budget 0.5] [--pairs 9]
         [--hold-outputs] [--json results/dropped_outputs_cpu.json]
+    python -m remat_plugin.bench dropout-masks [--model gpt2-tiny] [--budget 0.4] [--pairs 9] [--json ...]
+
+``dropped-outputs``: ``folded`` as the package runs (NOTE [dropped tangents]: no logits-sized zero
+gradient, no add) against ``materialized``, autograd filling the logits' gradient with zeros that
+the program adds.  ``dropout-masks``: ``split`` as the package runs (NOTE [dropout masks]: a CPU
+dropout is its mask and a multiply) against ``whole``, each dropout one random op.
 
 The loop keeps ``.loss`` and drops the logits (with ``--hold-outputs`` it holds the output object
-through ``backward()``, as ``out = model(...); out.loss.backward()`` does).  Two copies of the model are planned at the
-same budget (a fraction of the unmodified step's measured peak): ``folded`` as the package
-runs (NOTE [dropped tangents]: no logits-sized zero gradient, no add), ``materialized`` as it
-ran before, autograd filling the logits' gradient with zeros that the program adds.  Each plan
-settles first (the re-plan for the dropped logits included); then one metered step each
-(allocator peak, gradients against the unmodified model's) and interleaved timed steps, which
-one goes first alternating.  Reported: the plans' smallest feasible budgets and predictions,
-measured peaks, and median step times.
+through ``backward()``, as ``out = model(...); out.loss.backward()`` does).  Both copies are planned at
+the same budget (a fraction of the unmodified step's measured peak), each with its feature setting
+for every capture.  Each plan settles first (the re-plan for the dropped logits included); then one
+metered step each (allocator peak, gradients against the unmodified model's) and interleaved timed
+steps, which one goes first alternating.  Reported: the plans' smallest feasible budgets and
+predictions, measured peaks, and median step times.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from remat_plugin.bench.models import build
+from remat_plugin.capture.dropout_masks import dropouts_as_traced
 from remat_plugin.capture.dropped_tangents import tangents_materialized
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.runtime.module import RematModule
 from remat_plugin.runtime.side_effects import unobserved
 
-VARIANTS = ("folded", "materialized")
+# feature -> (its variant on, its variant off, what turns it off for the captures inside)
+Switch = Callable[[], contextlib.AbstractContextManager]
+FEATURES: dict[str, tuple[str, str, Switch]] = {
+    "dropped-outputs": ("folded", "materialized", tangents_materialized),
+    "dropout-masks": ("split", "whole", dropouts_as_traced),
+}
 SEED = 1234
 
 
@@ -49,20 +61,19 @@ def _grads(module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
 
 
-def _planned(bench, batch, budget: int, variant: str, hold: bool) -> RematModule:
+def _planned(bench, batch, budget: int, switch, hold: bool) -> RematModule:
     rm = RematModule(bench.module, budget, verbose=False)
     device = next(bench.module.parameters()).device
-    with unobserved(bench.module, device):
+    with unobserved(bench.module, device), switch():
         for _ in range(4):  # plan, re-plan for the dropped logits, settle
-            if variant == "materialized":
-                with tangents_materialized():
-                    _step(rm, bench, batch, hold)
-            else:
-                _step(rm, bench, batch, hold)
+            _step(rm, bench, batch, hold)
     return rm
 
 
-def run(model: str, budget_fraction: float, pairs: int, hold: bool = False) -> dict:
+def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feature: str = "dropped-outputs") -> dict:
+    on, off, turned_off = FEATURES[feature]
+    variants = (on, off)
+    switches: dict[str, Switch] = {on: contextlib.nullcontext, off: turned_off}
     bench = build(model)
     batch = bench.make_batch(0)
     reference = copy.deepcopy(bench.module)
@@ -70,15 +81,16 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False) -> d
     reference_grads = _grads(reference)
     budget = int(budget_fraction * none_peak)
     modules, benches, out = {}, {}, {}
-    for variant in VARIANTS:
+    for variant in variants:
         benches[variant] = copy.copy(bench)
         benches[variant].module = copy.deepcopy(reference)
-        modules[variant] = _planned(benches[variant], batch, budget, variant, hold)
-    for variant in VARIANTS:
+        modules[variant] = _planned(benches[variant], batch, budget, switches[variant], hold)
+    for variant in variants:
         rm = modules[variant]
         plan = rm.plan
         assert plan is not None
-        _, peak = measure_peak_profiler(functools.partial(_step, rm, bench, batch, hold))
+        with switches[variant]():
+            _, peak = measure_peak_profiler(functools.partial(_step, rm, bench, batch, hold))
         grads = _grads(rm)
         out[variant] = {
             "measured_peak_bytes": peak,
@@ -91,20 +103,22 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False) -> d
                                  for a, b in zip(grads, reference_grads)),
             "within_budget": peak <= budget,
         }
-    plans = {v: modules[v].plan for v in VARIANTS}
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    plans = {v: modules[v].plan for v in variants}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     for k in range(pairs + 1):
-        for variant in (VARIANTS if k % 2 == 0 else VARIANTS[::-1]):
-            t0 = time.perf_counter()
-            _step(modules[variant], bench, batch, hold)
+        for variant in (variants if k % 2 == 0 else variants[::-1]):
+            with switches[variant]():
+                t0 = time.perf_counter()
+                _step(modules[variant], bench, batch, hold)
+                elapsed = time.perf_counter() - t0
             if k:  # the first pair warms up
-                times[variant].append(time.perf_counter() - t0)
-    assert all(modules[v].plan is plans[v] for v in VARIANTS), "a plan changed while timing"
-    for variant in VARIANTS:
+                times[variant].append(elapsed)
+    assert all(modules[v].plan is plans[v] for v in variants), "a plan changed while timing"
+    for variant in variants:
         out[variant]["median_step_s"] = statistics.median(times[variant])
         out[variant]["step_s"] = times[variant]
-    ratios = [a / b for a, b in zip(times["folded"], times["materialized"])]
-    return {"model": model, "hold_outputs": hold, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
+    ratios = [a / b for a, b in zip(times[on], times[off])]
+    return {"feature": feature, "on": on, "off": off, "model": model, "hold_outputs": hold, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
             "pairs": pairs, "variants": out, "median_time_ratio": statistics.median(ratios),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -113,8 +127,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, feature: str = "dropped-outputs") -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m remat_plugin.bench {feature}", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-tiny")
     parser.add_argument("--budget", type=float, default=0.5, help="the budget, as a fraction of the unmodified peak")
     parser.add_argument("--pairs", type=int, default=9)
@@ -123,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                              "out.loss.backward()) instead of keeping the loss only")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
-    result = run(opts.model, opts.budget, opts.pairs, opts.hold_outputs)
+    result = run(opts.model, opts.budget, opts.pairs, opts.hold_outputs, feature)
     idiom = ("holds the output through backward, no gradient reaching the logits" if opts.hold_outputs
              else "keeps .loss and drops the logits")
     print(f"{opts.model}, budget {opts.budget} of the unmodified peak ({_mib(result['budget_bytes'])}), "
@@ -133,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{_mib(r['measured_peak_bytes'])} (predicted {_mib(r['predicted_peak_bytes'])}, within budget "
               f"{r['within_budget']}), predicted {r['predicted_overhead']:.3f}x, step {r['median_step_s'] * 1e3:.0f} ms, "
               f"gradients bitwise those of the unmodified model: {r['grads_bitwise']}")
-    f, m = result["variants"]["folded"], result["variants"]["materialized"]
-    print(f"  folded against materialized: smallest feasible {(f['min_feasible_bytes'] - m['min_feasible_bytes']) / 2**20:+.2f} "
+    on, off = result["on"], result["off"]
+    f, m = result["variants"][on], result["variants"][off]
+    print(f"  {on} against {off}: smallest feasible {(f['min_feasible_bytes'] - m['min_feasible_bytes']) / 2**20:+.2f} "
           f"MiB, step time {result['median_time_ratio']:.3f}x")
     if opts.json:
         with open(opts.json, "w") as fh:

@@ -22,7 +22,7 @@ from remat_plugin.planning.menus import kept_reads
 # mm_2 = threshold_backward^T @ x (grad W1, reads primals_5), sum_2 (grad b1).
 #
 # "dropout_mlp" adds Dropout(0.5) after the ReLU, captured as its mask and a multiply (NOTE [dropout masks]):
-# dropout_mask_default (random, reads no tensor) makes the mask (3x8 bool, 24 B) and apply_dropout_mask_default
+# dropout_mask_default (random, reads relu for its layout) makes the mask (3x8 bool, 24 B) and apply_dropout_mask_default
 # reads relu and the mask and makes the output (3x8 float); addmm_1 and mm_1 read that output;
 # native_dropout_backward(mm, mask) comes before threshold_backward(native_dropout_backward, relu).
 MLP_BWD = ("__tangents__", "mm", "mm_1", "sum_1", "threshold_backward", "mm_2", "sum_2")
@@ -71,10 +71,10 @@ CASES = {
     # keep-all with dropout: mm_1 reads the dropout's output (96 B), native_dropout_backward its mask
     # (24 B of bool), threshold_backward relu (96 B): 216 bytes; no RNG state is needed
     "dropout_keep_all": ("dropout_mlp", DROP_BWD, ["primals_3", DROP_OUT, DROP_MASK, "relu", "primals_5"], 216),
-    # recompute the whole dropout before mm_1: the mask from its generator state dropout_mask_default__rng
-    # (CPU state: 5056 bytes), the output from relu and that mask: 96 + 5056
+    # recompute the whole dropout before mm_1: the mask from relu (its layout) and its generator state
+    # dropout_mask_default__rng (CPU state: 5056 bytes), the output from relu and that mask: 96 + 5056
     "dropout_recompute": ("dropout_mlp", _with(DROP_BWD, "mm_1", (DROP_MASK, DROP_OUT)),
-                          ["primals_3", DROP_MASK + "__rng", "relu", "primals_5"], 96 + 5056),
+                          ["primals_3", "relu", DROP_MASK + "__rng", "primals_5"], 96 + 5056),
     # recompute only the output: the mask is kept (24 B), no draw is replayed: 96 + 24
     "dropout_recompute_output": ("dropout_mlp", _with(DROP_BWD, "mm_1", (DROP_OUT,)),
                                  ["primals_3", "relu", DROP_MASK, "primals_5"], 96 + 24),

@@ -7,14 +7,16 @@ NOTE [dropout masks]
     output had to run the whole op again, its draws replayed.  On CPU, for float32 and float64
     inputs, each ``native_dropout(x, p, train)`` of the joint graph becomes
 
-        mask = dropout_mask(shape, strides, dtype, p)  # the draws: bernoulli_(1 - p), as bool
-        out = apply_dropout_mask(x, mask, p)           # x * mask * (1 / (1 - p))
+        mask = dropout_mask(x, p)             # the draws: bernoulli_(1 - p) into empty_like(x), as bool
+        out = apply_dropout_mask(x, mask, p)  # x * mask * (1 / (1 - p))
 
     which is what PyTorch's CPU kernel computes, bit for bit: the same draws from the same
     generator, the stream left where the kernel leaves it (``tests/test_dropout_masks.py``, on
-    every torch the project supports).  The mask reads no tensor, so the plan may draw it again
-    without the dropout's input; or keep it (one byte per element, a quarter of a float32
-    output) and recompute the output with one multiply.  CUDA's fused kernel draws otherwise
+    every torch the project supports).  A plan may now keep the mask (one byte per element, a
+    quarter of a float32 output) and recompute the output with one multiply.  The mask op takes
+    ``x`` for its layout only; it stays in the planning problem as a reader of ``x``, which keeps
+    each dropout in its layer's block (a mask reading nothing was a constant op, placed apart from
+    its layer, and the layer blocks stopped being identical).  CUDA's fused kernel draws otherwise
     (Philox), and reduced precision rounds otherwise, so their dropouts stay as they are.
 """
 from __future__ import annotations
@@ -43,15 +45,15 @@ def dropouts_as_traced() -> Iterator[None]:
 
 
 @torch.library.custom_op("remat_plugin::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def dropout_mask(size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device, p: float) -> torch.Tensor:
-    """Which elements a CPU ``native_dropout`` keeps: its very draws, as a bool tensor of the input's layout."""
-    draws = torch.empty_strided(size, stride, dtype=dtype, device=device)
-    return draws.bernoulli_(1.0 - p).to(torch.bool)
+def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Which elements a CPU ``native_dropout`` of ``x`` keeps: its very draws, as a bool tensor of ``x``'s layout
+    (``x`` is read for its layout only)."""
+    return torch.empty_like(x).bernoulli_(1.0 - p).to(torch.bool)
 
 
 @dropout_mask.register_fake
-def _(size: list[int], stride: list[int], dtype: torch.dtype, device: torch.device, p: float) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=torch.bool, device=device)
+def _(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bool)
 
 
 @torch.library.custom_op("remat_plugin::apply_dropout_mask", mutates_args=())
@@ -89,8 +91,7 @@ def split_dropouts(gm: fx.GraphModule) -> int:
         xval = x.meta["val"]  # type: ignore[union-attr]
         parts = {u.args[1]: u for u in node.users}
         with graph.inserting_before(node):
-            mask = graph.call_function(torch.ops.remat_plugin.dropout_mask.default,
-                                       (list(xval.shape), list(xval.stride()), xval.dtype, xval.device, p))
+            mask = graph.call_function(torch.ops.remat_plugin.dropout_mask.default, (x, p))
             out = graph.call_function(torch.ops.remat_plugin.apply_dropout_mask.default, (x, mask, p))
         for index, made in ((0, out), (1, mask)):
             made.meta = {k: v for k, v in node.meta.items() if k != "val"}  # forward/backward tag, stack trace
@@ -100,7 +101,7 @@ def split_dropouts(gm: fx.GraphModule) -> int:
                 part.replace_all_uses_with(made)
                 graph.erase_node(part)
         with xval.fake_mode:  # an output nothing reads has no getitem to take it from
-            mask.meta.setdefault("val", torch.empty_strided(xval.shape, xval.stride(), dtype=torch.bool))
+            mask.meta.setdefault("val", torch.empty_like(xval, dtype=torch.bool))
             out.meta.setdefault("val", torch.empty_like(xval))
         graph.erase_node(node)
         done += 1

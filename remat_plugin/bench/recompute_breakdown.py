@@ -24,12 +24,11 @@ import re
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import _metered_step, _peer_step
+from remat_plugin.bench.run import metered_bench_step, peer_step_of, settle_plan
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.planning.menus import kept_reads
 from remat_plugin.runtime.module import RematModule
-from remat_plugin.runtime.side_effects import unobserved
 
 SEED = 1234
 
@@ -39,31 +38,19 @@ def op_kind(name: str) -> str:
     return re.sub(r"(_default)?(_\d+)?$", "", name)
 
 
-def _settled(bench, batch, budget: int) -> RematModule:
-    rm = RematModule(bench.module, budget, verbose=False)
-    device = next(bench.module.parameters()).device
-    with unobserved(bench.module, device):
-        for _ in range(3):  # plan, meter, re-plan for the dropped outputs: as a training loop's first steps
-            rm.zero_grad(set_to_none=True)
-            torch.manual_seed(SEED)
-            loss = bench.loss(rm(*batch[0], **batch[1]))
-            loss.backward()
-    rm.zero_grad(set_to_none=True)
-    return rm
-
-
 def run(model: str, budget: str) -> dict:
     bench = build(model)
     batch = bench.make_batch(0)
     device = next(bench.module.parameters()).device
-    none_peak, _, _ = _metered_step(bench, _peer_step(bench, "none"), batch, device)
+    none_peak, _, _ = metered_bench_step(bench, peer_step_of(bench, "none"), batch, device)
     if budget == "per-layer":
-        budget_bytes, _, _ = _metered_step(bench, _peer_step(bench, "per_layer"), batch, device)
+        budget_bytes, _, _ = metered_bench_step(bench, peer_step_of(bench, "per_layer"), batch, device)
     else:
         budget_bytes = int(float(budget) * none_peak)
     ours = copy.copy(bench)
     ours.module = copy.deepcopy(bench.module)
-    rm = _settled(ours, batch, budget_bytes)
+    rm = RematModule(ours.module, budget_bytes, verbose=False)
+    settle_plan(ours, rm, batch)
     plan, problem = rm.plan, rm.problem
     assert plan is not None and problem is not None and plan.schedule is not None
     schedule = Schedule(plan.schedule)

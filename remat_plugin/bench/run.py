@@ -89,13 +89,13 @@ def run_model(
 ) -> list[BenchRow]:
     """All strategies on one model: the peers first, then our plan at each budget fraction."""
     batch = bench.make_batch(BATCH_SEED)
-    none_step = _peer_step(bench, "none")
+    none_step = peer_step_of(bench, "none")
     _timed_steps(bench, none_step, batch, device)  # warm-up: first-call allocations are not the model's
-    none_peak, none_grads, none_loss = _metered_step(bench, none_step, batch, device)
+    none_peak, none_grads, none_loss = metered_bench_step(bench, none_step, batch, device)
     log.info("%s: none peak %d bytes", bench.name, none_peak)
     context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
 
-    rows = [context.row(name, _peer_step(bench, name)) for name in applicable_peers(bench, RUN_PEERS)]
+    rows = [context.row(name, peer_step_of(bench, name)) for name in applicable_peers(bench, RUN_PEERS)]
     min_feasible_bytes: int | None = None  # the plan's problem does not depend on the budget
     for fraction in budgets:
         row, min_feasible_bytes = _ours_row(context, fraction, min_feasible_bytes)
@@ -124,7 +124,7 @@ def plan_timed(bench: BenchModel, batch: Batch, budget_bytes: int, label: str, *
     t0 = time.perf_counter()
     try:
         rm = rematerialize(bench.module, batch[0], batch[1], budget=budget_bytes, compile=compile)
-        _settle_plan(bench, rm, batch)
+        settle_plan(bench, rm, batch)
     except InfeasibleBudgetError as exc:
         return PlanAttempt(None, time.perf_counter() - t0, min_feasible_bytes=exc.min_feasible_bytes)
     except RematError as exc:
@@ -133,7 +133,7 @@ def plan_timed(bench: BenchModel, batch: Batch, budget_bytes: int, label: str, *
     return PlanAttempt(rm, time.perf_counter() - t0)
 
 
-def _settle_plan(bench: BenchModel, rm: RematModule, batch: Batch) -> None:
+def settle_plan(bench: BenchModel, rm: RematModule, batch: Batch) -> None:
     """Unobserved training steps, as a training loop's first ones, until the plan stops changing: a new plan is
     metered before its first step (NOTE [calibration] in remat_plugin.runtime.calibration), the first step
     shows which outputs the loss drops and the next re-plans with them freed (NOTE [output usage] in
@@ -244,7 +244,7 @@ class _RunContext:
         """Measure one strategy: metered step (peak, grads), then interleaved timing against ``none``."""
         log.info("%s %s: measuring", self.bench.name, strategy)
         row = self.base_row(strategy, fraction, budget_bytes)
-        peak, grads, loss = _metered_step(self.bench, peer_step, self.batch, self.device)
+        peak, grads, loss = metered_bench_step(self.bench, peer_step, self.batch, self.device)
         equal, max_abs_diff = _compare_grads(self.none_grads, grads, self.dtype)
         ratios = time_ratios(self.bench, self.none_step, peer_step, self.batch, self.device, self.pairs)
         row.update(
@@ -272,7 +272,7 @@ class _RunContext:
 # outside what is metered and timed.
 
 
-def _peer_step(bench: BenchModel, name: str) -> Callable[[], Any]:
+def peer_step_of(bench: BenchModel, name: str) -> Callable[[], Any]:
     peer = EAGER_PEERS[name]
     return lambda: peer(bench)
 
@@ -283,7 +283,7 @@ def _no_patching(step: Step) -> Iterator[Step]:
     yield step
 
 
-def _metered_step(
+def metered_bench_step(
     bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device
 ) -> tuple[int, list[torch.Tensor | None], float]:
     """One seeded forward+backward under the meter: (peak bytes, parameter grads, loss)."""

@@ -2,8 +2,9 @@
 
 NOTE [dropout masks]
     ``aten.native_dropout`` makes a dropout's output and its mask in one op, and on CPU drawing
-    the mask is most of its time: on gpt2-tiny the dropouts are 103 of the forward's 319 ms,
-    with three times the bytes moved per element of a multiply.  A plan that frees a dropout's
+    the mask is most of its time: on gpt2-tiny (8x256, one thread) the dropouts are 103 of the
+    forward's 319 ms of op time, and one on an 8x4x256x256 float32 input takes 15.8 ms, of which
+    the draws 13.0 and the multiply 2.9.  A plan that frees a dropout's
     output had to run the whole op again, its draws replayed.  On CPU, for float32 and float64
     inputs, each ``native_dropout(x, p, train)`` of the joint graph becomes
 

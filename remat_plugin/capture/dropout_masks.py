@@ -24,25 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator
 
 import torch
 from torch import fx
 
+from remat_plugin.capture.switches import CaptureSwitch
+
 _REWRITTEN_DTYPES = (torch.float32, torch.float64)
-_splitting = True  # off only inside dropouts_as_traced()
+_splitting = CaptureSwitch()
 
 
-@contextlib.contextmanager
-def dropouts_as_traced() -> Iterator[None]:
+def dropouts_as_traced() -> contextlib.AbstractContextManager[None]:
     """Steps captured inside keep each dropout one random op, as before NOTE [dropout masks]: the baseline
     ``python -m remat_plugin.bench dropout-masks`` measures against."""
-    global _splitting
-    before, _splitting = _splitting, False
-    try:
-        yield
-    finally:
-        _splitting = before
+    return _splitting.off()
 
 
 @torch.library.custom_op("remat_plugin::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
@@ -81,7 +76,7 @@ def _rewritable(node: fx.Node) -> bool:
 
 def split_dropouts(gm: fx.GraphModule) -> int:
     """Rewrite the joint graph's CPU dropouts into a mask and a multiply (NOTE [dropout masks]); how many."""
-    if not _splitting:
+    if not _splitting.on:
         return 0
     graph = gm.graph
     done = 0

@@ -24,27 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import fx
 
+from remat_plugin.capture.switches import CaptureSwitch
 from remat_plugin.torch_private import PlainAOTOutput, TangentAOTInput, is_tangent
 
 log = logging.getLogger(__name__)
-_folding = True  # off only inside tangents_materialized()
+_folding = CaptureSwitch()
 
 
-@contextlib.contextmanager
-def tangents_materialized() -> Iterator[None]:
+def tangents_materialized() -> contextlib.AbstractContextManager[None]:
     """Steps captured inside leave dropped outputs' tangents to autograd, as before NOTE [dropped tangents]:
     the baseline ``python -m remat_plugin.bench dropped-outputs`` measures against."""
-    global _folding
-    before, _folding = _folding, False
-    try:
-        yield
-    finally:
-        _folding = before
+    return _folding.off()
 
 
 def add_if_given(grad: torch.Tensor, tangent: torch.Tensor | None) -> torch.Tensor:
@@ -75,7 +70,7 @@ def _folded_grad(add: fx.Node, tangent: fx.Node) -> fx.Node | None:
 def fold_dropped_tangents(gm: fx.GraphModule, outputs: frozenset[int]) -> frozenset[str]:
     """Rewrite the joint graph's adds of these outputs' tangents into :func:`add_if_given`; the tangents'
     names (a tangent read any other way is left as it is, materialized as before)."""
-    if not (outputs and _folding):
+    if not (outputs and _folding.on):
         return frozenset()
     folded: set[str] = set()
     for ph in gm.graph.find_nodes(op="placeholder"):

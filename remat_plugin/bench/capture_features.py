@@ -102,6 +102,11 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
             "grads_bitwise": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                                  for a, b in zip(grads, reference_grads)),
             "within_budget": peak <= budget,
+            # the largest difference and the parameters it is in, so a run that is not bitwise says by how much
+            "grad_max_abs_diff": max((float((a - b).abs().max()) for a, b in zip(grads, reference_grads)
+                                      if a is not None and b is not None), default=0.0),
+            "grads_differing": [name for (name, _), a, b in zip(rm.named_parameters(), grads, reference_grads)
+                                if a is not None and b is not None and not torch.equal(a, b)],
         }
     plans = {v: modules[v].plan for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None, feature: str = "dropped-outputs") -> Non
         print(f"  {variant:13s} smallest feasible {_mib(r['min_feasible_bytes'])}, measured peak "
               f"{_mib(r['measured_peak_bytes'])} (predicted {_mib(r['predicted_peak_bytes'])}, within budget "
               f"{r['within_budget']}), predicted {r['predicted_overhead']:.3f}x, step {r['median_step_s'] * 1e3:.0f} ms, "
-              f"gradients bitwise those of the unmodified model: {r['grads_bitwise']}")
+              f"gradients bitwise those of the unmodified model: {r['grads_bitwise']}"
+              + ("" if r["grads_bitwise"] else f" (max abs diff {r['grad_max_abs_diff']:.3g} in "
+                 f"{len(r['grads_differing'])} parameters, first {r['grads_differing'][:3]})"))
     on, off = result["on"], result["off"]
     f, m = result["variants"][on], result["variants"][off]
     print(f"  {on} against {off}: smallest feasible {(f['min_feasible_bytes'] - m['min_feasible_bytes']) / 2**20:+.2f} "

@@ -93,7 +93,8 @@ def test_one_segment_releases_every_gradient_at_the_end():
     for _ in range(2):
         grads, fired, total = _step(bench, rm, args, kwargs)
     _assert_same(grads, expected)
-    assert min(fired.values()) > 0.9 * total  # only AccumulateGrad's own ops after the first hook
+    # after the first hook only AccumulateGrad's own ops run: at most one per parameter
+    assert min(fired.values()) >= total - len(fired), (min(fired.values()), total, len(fired))
 
 
 def test_autograd_grad_retain_graph_and_interleaved_calls():

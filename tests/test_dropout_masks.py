@@ -31,6 +31,12 @@ def test_mask_and_multiply_are_the_cpu_kernel_bit_for_bit(dtype, p, layout):
     assert torch.equal(applied, out) and applied.stride() == out.stride()
     assert torch.equal(torch.signbit(applied), torch.signbit(out))  # zeros of negative inputs stay -0.0
     assert torch.equal(torch.rand(5), after)  # the generator is left where the kernel leaves it
+    grad = torch.randn_like(x)
+    scale = 1.0 / (1.0 - p)
+    want = torch.ops.aten.native_dropout_backward(grad, mask, scale)
+    got = torch.ops.remat_plugin.dropout_mask_backward(grad, mine, scale)
+    assert torch.equal(got, want) and got.stride() == want.stride()
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
 class _Mlp(nn.Module):
@@ -55,7 +61,8 @@ def test_a_plan_keeps_masks_and_recomputes_outputs_with_exact_gradients():
     budget = int(full.baseline_peak_bytes * 0.6)
     rm = rematerialize(module, (x,), budget=budget, verbose=False)
     problem, schedule = rm.problem, rm.plan.schedule
-    assert not any(o.name.startswith("native_dropout") and "backward" not in o.name for o in problem.ops)
+    assert not any(o.name.startswith("native_dropout") for o in problem.ops)  # its backward too
+    assert sum(o.name.startswith("dropout_mask_backward") for o in problem.ops) == 8
     applies = {o.name: o.inputs for o in problem.fwd_ops if o.name.startswith("apply_dropout_mask")}
     masks = {v: o.name for o in problem.fwd_ops if o.name.startswith("dropout_mask") and not o.name.endswith("__rng")
              for v in o.outputs}

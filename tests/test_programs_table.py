@@ -24,10 +24,10 @@ from remat_plugin.planning.menus import kept_reads
 # "dropout_mlp" adds Dropout(0.5) after the ReLU, captured as its mask and a multiply (NOTE [dropout masks]):
 # dropout_mask_default (random, reads relu for its layout) makes the mask (3x8 bool, 24 B) and apply_dropout_mask_default
 # reads relu and the mask and makes the output (3x8 float); addmm_1 and mm_1 read that output;
-# native_dropout_backward(mm, mask) comes before threshold_backward(native_dropout_backward, relu).
+# its backward dropout_mask_backward_default(mm, mask) comes before threshold_backward(that, relu).
 MLP_BWD = ("__tangents__", "mm", "mm_1", "sum_1", "threshold_backward", "mm_2", "sum_2")
 DROP_MASK, DROP_OUT = "dropout_mask_default", "apply_dropout_mask_default"
-DROP_BWD = ("__tangents__", "mm", "mm_1", "sum_1", "native_dropout_backward", "threshold_backward", "mm_2", "sum_2")
+DROP_BWD = ("__tangents__", "mm", "mm_1", "sum_1", "dropout_mask_backward_default", "threshold_backward", "mm_2", "sum_2")
 
 
 def make_model(name: str) -> nn.Module:
@@ -68,7 +68,7 @@ CASES = {
                              ["primals_3", "primals_2", "primals_5", "primals_1"], 0),
     # recompute only relu: it reads addmm, which is kept instead of relu (same 96 bytes)
     "mlp_recompute_relu": ("mlp", _with(MLP_BWD, "mm_1", ("relu",)), ["primals_3", "addmm", "primals_5"], 96),
-    # keep-all with dropout: mm_1 reads the dropout's output (96 B), native_dropout_backward its mask
+    # keep-all with dropout: mm_1 reads the dropout's output (96 B), dropout_mask_backward_default its mask
     # (24 B of bool), threshold_backward relu (96 B): 216 bytes; no RNG state is needed
     "dropout_keep_all": ("dropout_mlp", DROP_BWD, ["primals_3", DROP_OUT, DROP_MASK, "relu", "primals_5"], 216),
     # recompute the whole dropout before mm_1: the mask from relu (its layout) and its generator state

@@ -61,6 +61,11 @@ def _grads(module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
 
 
+def _same(grads: list[torch.Tensor | None], others: list[torch.Tensor | None]) -> bool:
+    return all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(grads, others))
+
+
 def _planned(bench, batch, budget: int, switch, hold: bool) -> RematModule:
     rm = RematModule(bench.module, budget, verbose=False)
     device = next(bench.module.parameters()).device
@@ -84,7 +89,7 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
     first_grads = _grads(reference)
     _, none_peak = measure_peak_profiler(lambda: _step(reference, bench, batch, hold))
     reference_grads = _grads(reference)
-    reference_repeatable = all(torch.equal(a, b) for a, b in zip(first_grads, reference_grads) if a is not None)
+    reference_repeatable = _same(first_grads, reference_grads)
     budget = int(budget_fraction * none_peak)
     modules, benches, out = {}, {}, {}
     for variant in variants:
@@ -105,8 +110,7 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
             "min_feasible_bytes": plan.min_feasible_bytes,
             "dropped_outputs": list(plan.dropped_outputs),
             "ungraded_outputs": list(plan.ungraded_outputs),
-            "grads_bitwise": all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                                 for a, b in zip(grads, reference_grads)),
+            "grads_bitwise": _same(grads, reference_grads),
             "within_budget": peak <= budget,
             # the largest difference and the parameters it is in, so a run that is not bitwise says by how much
             "grad_max_abs_diff": max((float((a - b).abs().max()) for a, b in zip(grads, reference_grads)

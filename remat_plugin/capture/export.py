@@ -20,6 +20,7 @@ from torch import nn
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
+from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
 from remat_plugin.errors import CaptureError, RematError
@@ -294,6 +295,7 @@ def build_step(
         if options.compile:
             program = boxed(gm_, example)
         else:
+            add_in_place(gm_)  # NOTE [in-place adds]
             program = step.backward = SegmentedBackward(gm_, options.backward_segments)
             step.programs.append(step.backward)
         return FilledTangents(program, gm_, step.absent_tangents) if step.absent_tangents else program
@@ -304,6 +306,7 @@ def build_step(
         else:
             # Boxed calling convention: the program receives the argument list and clears it,
             # so each saved tensor dies after its last use instead of at the end of backward.
+            add_in_place(gm_)  # NOTE [in-place adds]
             gm_.graph.set_codegen(BoxedCodeGen())
             gm_.recompile()
 

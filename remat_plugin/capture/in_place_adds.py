@@ -1,0 +1,61 @@
+"""Sums into a dying operand: ``add(a, b)`` becomes ``a.add_(b)`` where nothing reads ``a`` afterwards.
+
+NOTE [in-place adds]
+    AOTAutograd's graphs are functional, so every sum of two gradients (a residual stream's, a
+    weight shared by two ops) allocates a new tensor, where eager autograd adds into the
+    buffer it already holds.  On CPU a fresh large allocation also costs its page faults: on
+    gpt2-tiny (8x256, one thread) the planned step's 41 out-of-place adds took 111 ms against
+    eager's 47 ms of adds and 16 ms of in-place ones.  Where one operand is an op's fresh
+    result (no view, no alias of anything), read by this add alone, with the sum's shape,
+    dtype and strides, the add writes into it instead.  IEEE addition is commutative, so
+    ``b.add_(a)`` is bit for bit ``a + b``.  The planner's memory model is untouched: it
+    counts a new tensor for the sum, so the step only ever uses less than it predicts.
+    Planned programs run by inductor are left functional.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from remat_plugin.torch_private import OpOverload
+
+_ADD = torch.ops.aten.add.Tensor
+_ADD_ = torch.ops.aten.add_.Tensor
+
+
+def add_in_place(gm: fx.GraphModule) -> int:
+    """Rewrite ``gm``'s adds whose operand dies there into in-place adds (NOTE [in-place adds]); how many."""
+    rewritten: set[fx.Node] = set()
+    for node in gm.graph.find_nodes(op="call_function", target=_ADD):
+        if node.kwargs or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+            continue
+        a, b = node.args
+        for into, other in ((a, b), (b, a)):
+            if into is not other and _dies_here(into, node, rewritten):
+                node.target, node.args = _ADD_, (into, other)
+                rewritten.add(node)
+                break
+    if rewritten:
+        gm.recompile()
+    return len(rewritten)
+
+
+def _dies_here(value: fx.Node, add: fx.Node, rewritten: set[fx.Node]) -> bool:
+    """``value`` is a fresh tensor that only ``add`` reads, laid out as ``add``'s result."""
+    if value.op != "call_function" or len(value.users) != 1:
+        return False
+    if not (value in rewritten or _makes_fresh_tensors(value)):
+        return False
+    got, want = value.meta.get("val"), add.meta.get("val")
+    return (isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.dtype == want.dtype
+            and got.device == want.device and got.shape == want.shape and got.stride() == want.stride())
+
+
+def _makes_fresh_tensors(node: fx.Node) -> bool:
+    """An aten or custom op whose results alias nothing (for a getitem, the op it takes from)."""
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    target = node.target
+    return isinstance(target, OpOverload) and all(r.alias_info is None for r in target._schema.returns)

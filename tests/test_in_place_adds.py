@@ -6,7 +6,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from remat_plugin.bench.models import build
-from remat_plugin.capture.in_place_adds import add_in_place
+from remat_plugin.capture.in_place_adds import add_in_place, adds_functional
 from remat_plugin.runtime.module import RematModule
 
 aten = torch.ops.aten
@@ -89,3 +89,9 @@ def test_planned_gpt2_sums_gradients_in_place_with_eager_gradients():
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
     backward = rm._resolver.latest.run.backward.gm  # the SegmentedBackward's program
     assert aten.add_.Tensor in _targets(backward), "the planned backward has no in-place add"
+    with adds_functional():  # the benchmark's baseline: every add out of place, the same gradients
+        functional = RematModule(bench.module, budget=10**12, verbose=False)
+        for _ in range(2):
+            got = step(functional)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert aten.add_.Tensor not in _targets(functional._resolver.latest.run.backward.gm)

@@ -3,11 +3,13 @@
     python -m remat_plugin.bench dropped-outputs [--model gpt2-tiny] [--budget 0.5] [--pairs 9]
         [--hold-outputs] [--json results/dropped_outputs_cpu.json]
     python -m remat_plugin.bench dropout-masks [--model gpt2-tiny] [--budget 0.4] [--pairs 9] [--json ...]
+    python -m remat_plugin.bench in-place-adds [--model gpt2-tiny] [--budget 1.0] [--pairs 9] [--json ...]
 
 ``dropped-outputs``: ``folded`` as the package runs (NOTE [dropped tangents]: no logits-sized zero
 gradient, no add) against ``materialized``, autograd filling the logits' gradient with zeros that
 the program adds.  ``dropout-masks``: ``split`` as the package runs (NOTE [dropout masks]: a CPU
-dropout is its mask and a multiply) against ``whole``, each dropout one random op.
+dropout is its mask and a multiply) against ``whole``, each dropout one random op.  ``in-place-adds``:
+``in-place`` as the package runs (NOTE [in-place adds]) against ``functional``, every add out of place.
 
 The loop keeps ``.loss`` and drops the logits (with ``--hold-outputs`` it holds the output object
 through ``backward()``, as ``out = model(...); out.loss.backward()`` does).  Both copies are planned at
@@ -33,6 +35,7 @@ import torch
 from remat_plugin.bench.models import build
 from remat_plugin.capture.dropout_masks import dropouts_as_traced
 from remat_plugin.capture.dropped_tangents import tangents_materialized
+from remat_plugin.capture.in_place_adds import adds_functional
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.runtime.module import RematModule
 from remat_plugin.runtime.side_effects import unobserved
@@ -42,6 +45,7 @@ Switch = Callable[[], contextlib.AbstractContextManager]
 FEATURES: dict[str, tuple[str, str, Switch]] = {
     "dropped-outputs": ("folded", "materialized", tangents_materialized),
     "dropout-masks": ("split", "whole", dropouts_as_traced),
+    "in-place-adds": ("in-place", "functional", adds_functional),
 }
 SEED = 1234
 

@@ -14,19 +14,30 @@ NOTE [in-place adds]
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
 from torch import fx
 
+from remat_plugin.capture.switches import CaptureSwitch
 from remat_plugin.torch_private import OpOverload
 
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
+_rewriting = CaptureSwitch()
+
+
+def adds_functional() -> contextlib.AbstractContextManager[None]:
+    """Steps captured inside keep every add out of place, as before NOTE [in-place adds]: the baseline
+    ``python -m remat_plugin.bench in-place-adds`` measures against."""
+    return _rewriting.off()
 
 
 def add_in_place(gm: fx.GraphModule) -> int:
     """Rewrite ``gm``'s adds whose operand dies there into in-place adds (NOTE [in-place adds]); how many."""
+    if not _rewriting.on:
+        return 0
     rewritten: set[fx.Node] = set()
     for node in gm.graph.find_nodes(op="call_function", target=_ADD):
         if node.kwargs or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):

@@ -11,12 +11,11 @@ NOTE [dropout masks]
         mask = dropout_mask(x, p)             # the draws: bernoulli_(1 - p) into empty_like(x), as bool
         out = apply_dropout_mask(x, mask, p)  # x * mask * (1 / (1 - p))
 
-    and its ``native_dropout_backward(grad, mask, scale)`` becomes ``dropout_mask_backward``, the same
-    product with the mask converted before the multiply (a third of the time; ``_times_mask``).
-
     which is what PyTorch's CPU kernel computes, bit for bit: the same draws from the same
     generator, the stream left where the kernel leaves it (``tests/test_dropout_masks.py``, on
-    every torch the project supports).  A plan may now keep the mask (one byte per element, a
+    every torch the project supports).  Its ``native_dropout_backward(grad, mask, scale)`` becomes
+    ``dropout_mask_backward``, the same product with the mask converted before the multiply (a
+    third of the time, ``_times_mask``).  A plan may now keep the mask (one byte per element, a
     quarter of a float32 output) and recompute the output with one multiply.  The mask op takes
     ``x`` for its layout only; it stays in the planning problem as a reader of ``x``, which keeps
     each dropout in its layer's block (a mask reading nothing was a constant op, placed apart from

@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
         ddp_overlap_main(argv[1:])
         return 0
+    if argv[:1] == ["fsdp"]:  # FSDP2 units planned against plain FSDP2 and per-layer checkpointing, 2 processes
+        from remat_plugin.bench.fsdp_bench import main as fsdp_main
+
+        fsdp_main(argv[1:])
+        return 0
     if argv[:1] in (["dropped-outputs"], ["dropout-masks"], ["in-place-adds"]):  # one capture feature on against off
         from remat_plugin.bench.capture_features import main as capture_feature_main
 

@@ -168,6 +168,9 @@ class ExecutionOptions:
     # Eager backward in up to this many autograd nodes, releasing gradients as it goes (NOTE [segmented backward]);
     # 1: one node, every gradient at the end.  Compiled programs always run as one node.
     backward_segments: int = MAX_SEGMENTS
+    # Route the outputs through _WatchedOutputs (output usage, the double-backward refusal).  Off for FSDP2 units,
+    # whose outputs must not be views: FSDP's pre-backward hook on a view is lost to a caller's in-place op.
+    watch_outputs: bool = True
 
 
 EAGER = ExecutionOptions()
@@ -211,7 +214,8 @@ class CompiledStep:
         if self.absent_tangents and torch.is_grad_enabled():
             self._keep_missing_gradients(flat_out)
         without_donated_buffers(flat_out)
-        flat_out = _watched(flat_out, self._record, self.options.backward_autocast)
+        if self.options.watch_outputs:
+            flat_out = _watched(flat_out, self._record, self.options.backward_autocast)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):

@@ -248,6 +248,13 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     search captures sizes above the budget).  Profiling runs one op at a time (RNG and
     buffers restored afterwards).
     """
+    problem, constants, _ = captured_problem(module, args, kwargs, progress, op_timings)
+    return problem, constants
+
+
+def captured_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None, progress=None,
+                     op_timings: OpTimings | None = None) -> tuple[Problem, set[str], str]:
+    """:func:`capture_problem` and the joint graph's structure key, which a plan needs to be replayed."""
     call = Call.of(module, tuple(args), dict(kwargs or {}))
     found: dict[str, Any] = {}
 
@@ -255,6 +262,7 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
         if progress is not None:
             progress.stage(f"profile {len(joint.ops)} ops" if call.device.type != "meta" else "estimate op costs")
         found["problem"], found["constants"] = measured_problem(joint, call.device, progress, op_timings)
+        found["graph_key"] = joint.structure_key
         raise _ProblemCaptured  # nothing is compiled or run
 
     if progress is not None:
@@ -267,7 +275,7 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
         pass
     if "problem" not in found:
         raise AssertionError("remat_plugin.capture: the trace ended without building the problem")
-    return found["problem"], found["constants"]
+    return found["problem"], found["constants"], found["graph_key"]
 
 
 class _ProblemCaptured(Exception):

@@ -1,0 +1,336 @@
+"""FSDP2 (``fully_shard``): planned rematerialization inside each leaf FSDP unit, the budget per rank.
+
+NOTE [FSDP2 units]
+    ``fully_shard(m)`` makes ``m`` a unit: before its forward a hook all-gathers its parameters
+    and registers the unsharded Parameters on ``m``; after it (``reshard_after_forward``) their
+    memory is freed, and hooks on its outputs gather them again before its backward; its
+    gradients are reduce-scattered once its backward has run.  We plan each *leaf* unit (no unit
+    inside it): its ``forward`` becomes a planned step of its own class's forward
+    (:class:`UnitBody`), which runs between FSDP's hooks.  So the step reads the unsharded
+    Parameters, its recomputation runs inside the unit's backward (when FSDP has gathered them
+    again), and FSDP's all-gathers, reduce-scatters and their order are those of the run without
+    us.  Outside the leaf units (embeddings, the head, the loss) the model runs as written.
+    Leaf units of one class called with one input signature form a group: one problem, solved
+    once (on rank 0), one plan replayed by every unit of the group on every rank.
+
+NOTE [FSDP2 budget]
+    The budget is per rank: what one forward+backward may add to what that rank has allocated.
+    The units' plans are known exactly (the simulator); the rest of the step (FSDP's gathered
+    parameters, the activations and gradients outside the units) is measured.  The first step of
+    new input shapes captures each group (rank 0 profiles and solves) and runs every unit's
+    lowest-peak plan.  Before the next step, an unobserved forward+backward of the whole model
+    (buffers, RNG and ``.grad`` restored, as for NOTE [calibration]) is metered at the allocator,
+    the highest peak of all ranks taken, and rank 0 gives every new group the fastest plan whose
+    extra memory fits what is left under the budget, bounded over the chain of units by
+    ``sum_g n_g * dk_g + max(0, max_g(dp_g - dk_g))`` (``dk``: the plan's kept bytes over the
+    lowest plan's; ``dp``: the unit's own peak over the lowest plan's; ``n_g``: the group's calls
+    per step): every unit's extra kept bytes may be alive at once, and one unit's extra working
+    memory on top.  A second metered step checks the choice before any caller's step runs it:
+    above the budget, the units keep their lowest-peak plans and a warning says by how much.  If
+    the lowest plans already measure above the budget, :class:`InfeasibleBudgetError` says so
+    with the measured peak.  Two extra steps per new input shape are the price of a measured,
+    not guessed, remainder.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from remat_plugin.capture.export import ExecutionOptions
+from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
+from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
+from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
+from remat_plugin.ir.problem import Problem, Schedule
+from remat_plugin.ir.simulate import simulate
+from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
+from remat_plugin.runtime import dist
+from remat_plugin.runtime.budget import parse_budget
+from remat_plugin.runtime.forward_swap import ForwardSwap
+from remat_plugin.runtime.side_effects import unobserved
+from remat_plugin.runtime.signature import Call
+from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, captured_problem, replay_step
+from remat_plugin.torch_private import profiler_active, pytree, suspended_user_modes
+
+log = logging.getLogger(__name__)
+
+# A unit's outputs must not be views (FSDP's pre-backward hook on a view is lost to a caller's in-place op): no watch.
+UNIT_OPTIONS = ExecutionOptions(watch_outputs=False)
+N_CANDIDATES = 8  # per-unit budgets tried between the lowest plan and keeping everything
+
+
+def leaf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The ``fully_shard`` units of ``model`` with no unit inside them, in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if _is_unit(m) and not any(_is_unit(inner) for inner in list(m.modules())[1:])]
+
+
+def _is_unit(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+class UnitBody(nn.Module):
+    """A unit's own class forward, without the unit's FSDP hooks: what is captured and planned."""
+
+    def __init__(self, unit: nn.Module):
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, *args, **kwargs):
+        return type(self.unit).forward(self.unit, *args, **kwargs)
+
+
+@dataclass
+class UnitGroup:
+    """Leaf units of one class called with one input signature: one problem, one plan for all of them."""
+
+    key: str
+    lowest: Plan  # the lowest-peak plan (what a metered first step runs)
+    plan: Plan  # what the units run now
+    settled: bool = False  # its plan chosen for a metered step (NOTE [FSDP2 budget])
+    steps: dict[int, PlannedStep] = field(default_factory=dict)  # unit index -> its step of ``plan``
+    calls: int = 0  # calls in the step under way
+
+
+class FsdpRemat:
+    """Planned rematerialization of ``model``'s leaf FSDP2 units under a per-rank ``budget``; see the module docstring.
+
+    Installed at construction (each leaf unit's ``forward`` and a pre-forward hook on ``model``);
+    :meth:`remove` restores the model.  ``plans`` maps each group's input signature to the plan
+    its units run; ``measured_peaks`` lists the metered steps' peaks (highest over ranks).
+    """
+
+    def __init__(self, model: nn.Module, budget: int | str = "80%", *,
+                 ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, caches: PlanningCaches | None = None):
+        units = leaf_units(model)
+        if not units:
+            raise RematError(f"remat_plugin.fsdp: {type(model).__name__} has no fully_shard unit. Apply fully_shard to "
+                             "its layers (and then to the model) before this, or use rematerialize() for a model that "
+                             "is not sharded")
+        parse_budget(budget)  # a malformed budget fails here, not at the first step
+        self.model = model
+        self.budget = budget
+        self.ilp_time_limit_s = ilp_time_limit_s
+        self.caches = caches or PROCESS_CACHES
+        self.unit_names = [name for name, _ in units]
+        self.groups: dict[str, UnitGroup] = {}
+        self.measured_peaks: list[int] = []
+        self._bodies = [UnitBody(m) for _, m in units]
+        self._problems: dict[str, tuple[Problem, set[str]]] = {}  # rank 0: each group's problem
+        self._device = torch.device("cpu")
+        self._metering = False
+        self._swaps = [ForwardSwap(m, functools.partial(self._forward_for, i)) for i, (_, m) in enumerate(units)]
+        self._held: frozenset[int] = frozenset()  # model outputs (tensor positions) a caller held through backward
+        self._hooks = [model.register_forward_pre_hook(self._step_starts, prepend=True, with_kwargs=True),
+                       model.register_forward_hook(self._step_outputs)]
+
+    @property
+    def plans(self) -> dict[str, Plan]:
+        return {key: g.plan for key, g in self.groups.items()}
+
+    def remove(self) -> None:
+        """Put the units' forwards back and remove the hook: the model runs as before."""
+        for swap in reversed(self._swaps):
+            swap.restore()
+        for hook in self._hooks:
+            hook.remove()
+
+    # --- the step ---------------------------------------------------------------------------
+    def _step_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a training step, settle the plans of groups the last step found (NOTE [FSDP2 budget])."""
+        if self._metering or not (module.training and torch.is_grad_enabled()):
+            return
+        new = [g for g in self.groups.values() if not g.settled]
+        if not new:  # the same on every rank: every rank called the same units
+            return
+        if any(dist.all_gather(profiler_active())):
+            log.warning("remat_plugin.fsdp: a profiler is recording, so the step cannot be metered; the units keep "
+                        "their lowest-peak plans until a step starts without it")
+            return
+        for g in new:
+            if g.plan is not g.lowest:  # re-settled after a caller held an output: measured from the lowest plans
+                g.plan, g.steps = g.lowest, {}
+        budget = parse_budget(self.budget, self._device)
+        peak = self._metered_step(args, kwargs)
+        if peak > budget:
+            raise InfeasibleBudgetError(budget, budget_for_peak(peak), what="FSDP step with every unit at its "
+                                        "lowest-peak plan (measured)")
+        if self._choose(new, budget - safety_margin(budget) - peak):
+            peak = self._metered_step(args, kwargs)
+            if peak > budget:
+                log.warning("remat_plugin.fsdp: the units' chosen plans measured %s, %s over the budget of %s; they "
+                            "keep their lowest-peak plans", human_bytes(peak), human_bytes(peak - budget),
+                            human_bytes(budget))
+                for g in new:
+                    g.plan, g.steps = g.lowest, {}
+        for g in new:
+            g.settled = True
+
+    def _metered_step(self, args: tuple, kwargs: dict) -> int:
+        """One forward+backward of the model on these inputs, unobserved; its allocator peak, highest of all ranks.
+
+        Buffers, the RNG streams and the parameters' ``.grad`` are left as they were.  The backward
+        starts from the first scalar output (the loss), else the sum of the first differentiable one;
+        the other outputs are dropped before it, as ``loss = model(...).loss`` does, unless a caller's
+        step was seen holding them (:meth:`_step_outputs`).
+        """
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        for g in self.groups.values():
+            g.calls = 0
+        self._metering = True
+        try:
+            with suspended_user_modes(), unobserved(self.model, self._device), \
+                    memory_profile(cuda=self._device.type == "cuda") as prof:
+                outputs = _tensor_leaves(self.model(*args, **kwargs))
+                root = _root_of(outputs)
+                if root is not None:
+                    loss = outputs[root] if outputs[root].numel() == 1 else outputs[root].sum()
+                    held = [t for i, t in enumerate(outputs) if i in self._held]  # what callers were seen holding
+                    del outputs
+                    loss.backward()
+                    del loss, held
+            peak = allocator_trace(prof, self._device).peak_rise()[0]
+        finally:
+            self._metering = False
+            for p, grad in zip(params, grads):
+                p.grad = grad
+        peak = max(dist.all_gather(peak))
+        self.measured_peaks.append(peak)
+        return peak
+
+    def _step_outputs(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Watch which outputs the caller still holds when its backward starts; one not metered so re-settles."""
+        if self._metering or not (module.training and torch.is_grad_enabled()):
+            return
+        outputs = _tensor_leaves(output)
+        root = _root_of(outputs)
+        if root is None:
+            return
+        refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
+        sizes = [t.nbytes for t in outputs]
+
+        def backward_starts(grad: torch.Tensor) -> None:
+            held = frozenset(i for i, ref in enumerate(refs) if i != root and ref() is not None) - self._held
+            if held and any(g.settled for g in self.groups.values()):
+                log.warning("remat_plugin.fsdp: the step held model outputs %s (%s) through backward, which the "
+                            "metered step had dropped; this step may have exceeded the budget by up to that much. "
+                            "The units' plans are chosen again before the next step", sorted(held),
+                            human_bytes(sum(sizes[i] for i in held)))
+                for g in self.groups.values():
+                    g.settled = False
+            self._held |= held
+
+        outputs[root].register_hook(backward_starts)
+
+    def _forward_for(self, index: int, real_forward: Callable) -> Callable:
+        unit = self._bodies[index].unit
+
+        def forward(*args, **kwargs):
+            if not (unit.training and torch.is_grad_enabled()):
+                return real_forward(*args, **kwargs)
+            return self._run_unit(index, args, kwargs)
+
+        forward.__wrapped__ = real_forward  # type: ignore[attr-defined]
+        return forward
+
+    def _run_unit(self, index: int, args: tuple, kwargs: dict) -> Any:
+        body = self._bodies[index]
+        call = Call.of(body, args, kwargs)
+        self._device = call.device
+        group = self.groups.get(call.key) or self._new_group(body, call)
+        group.calls += 1
+        step = group.steps.get(index)
+        if step is None or step.tensor_ids != call.tensor_ids:  # FSDP registered other unsharded Parameters
+            step = group.steps[index] = replay_step(body, call, group.plan, group.plan.budget_bytes, UNIT_OPTIONS)
+        return step(call.args, call.kwargs)
+
+    # --- planning -------------------------------------------------------------------------
+    def _new_group(self, body: UnitBody, call: Call) -> UnitGroup:
+        def lowest_plan() -> Plan:
+            problem, constants, graph_key = captured_problem(body, call.args, call.kwargs,
+                                                             op_timings=self.caches.op_timings)
+            self._problems[call.key] = (problem, constants)
+            return dataclasses.replace(self._solve(problem, constants, 1), graph_key=graph_key)
+
+        lowest = dist.from_rank_zero(lowest_plan, f"planning the FSDP unit {type(body.unit).__name__}")
+        group = self.groups[call.key] = UnitGroup(call.key, lowest, lowest)
+        return group
+
+    def _solve(self, problem: Problem, constants: set[str], budget_bytes: int) -> Plan:
+        """The fastest plan under ``budget_bytes``, or the lowest-peak plan when nothing fits it."""
+        try:
+            plan, _ = make_plan(problem, constants, budget_bytes, self.ilp_time_limit_s, planners=self.caches.planners)
+        except InfeasibleBudgetError as exc:
+            plan, _ = make_plan(problem, constants, exc.min_feasible_bytes, self.ilp_time_limit_s,
+                                planners=self.caches.planners)
+        return plan
+
+    def _choose(self, groups: list[UnitGroup], slack: int) -> bool:
+        """Rank 0 picks the groups' plans for ``slack`` bytes above the metered step (NOTE [FSDP2 budget])."""
+
+        def choose() -> dict[str, Plan]:
+            problems = {g.key: self._problems[g.key] for g in groups}
+            kept = {g.key: simulate(problems[g.key][0], Schedule(g.lowest.schedule)).kept_bytes for g in groups}
+            low = min(g.lowest.budget_bytes for g in groups)
+            high = max(budget_for_peak(g.lowest.baseline_peak_bytes) for g in groups)
+            for b in _descending(low, high, N_CANDIDATES):
+                plans = {g.key: dataclasses.replace(self._solve(*problems[g.key], b), graph_key=g.lowest.graph_key)
+                         for g in groups}
+                extra_kept, extra_work = 0, 0
+                for g in groups:
+                    plan = plans[g.key]
+                    dk = simulate(problems[g.key][0], Schedule(plan.schedule)).kept_bytes - kept[g.key]
+                    dp = plan.predicted_peak_bytes - g.lowest.predicted_peak_bytes
+                    extra_kept += g.calls * dk
+                    extra_work = max(extra_work, dp - dk)
+                if extra_kept + extra_work <= slack:
+                    return plans
+            return {g.key: g.lowest for g in groups}
+
+        chosen = dist.from_rank_zero(choose, "choosing the FSDP units' plans")
+        changed = [g for g in groups if chosen[g.key] is not g.lowest and chosen[g.key].schedule != g.lowest.schedule]
+        for g in changed:
+            g.plan, g.steps = chosen[g.key], {}
+        return bool(changed)
+
+
+def _tensor_leaves(output: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+
+
+def _root_of(outputs: list[torch.Tensor]) -> int | None:
+    """Where a step's backward starts: the first scalar output with a gradient (the loss), else the first with one."""
+    graded = [i for i, t in enumerate(outputs) if t.requires_grad and t.is_floating_point()]
+    return next((i for i in graded if outputs[i].numel() == 1), graded[0] if graded else None)
+
+
+def _descending(low: int, high: int, n: int) -> list[int]:
+    """``n`` budgets from ``high`` down to ``low``, evenly spaced in log scale."""
+    if high <= low:
+        return [low]
+    ratio = math.log(high / low)
+    return [int(low * math.exp(ratio * (n - 1 - i) / (n - 1))) for i in range(n)]
+
+
+def rematerialize_fsdp(model: nn.Module, budget: int | str = "80%", *,
+                       ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S) -> FsdpRemat:
+    """Plan ``model``'s leaf ``fully_shard`` units under ``budget`` per rank (NOTE [FSDP2 units], [FSDP2 budget]).
+
+    Call it on every rank after ``fully_shard``; training then runs as before.  The first step of
+    each input signature plans the units (rank 0) and runs their lowest-peak plans, the next one
+    is metered and chooses faster plans for the memory left, the one after checks them.
+    """
+    return FsdpRemat(model, budget, ilp_time_limit_s=ilp_time_limit_s)

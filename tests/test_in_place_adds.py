@@ -64,10 +64,27 @@ def test_operands_read_again_viewed_broadcast_or_inputs_stay_functional():
         a = g.call_function(aten.mul.Tensor, (x, y))
         return (g.call_function(aten.add.Tensor, (a, a)),)
 
-    for body in (read_again, a_view, broadcast, inputs_only, same_twice):
+    def unsafe_view_of_a_kept_value(g, x, y):  # _unsafe_view declares no alias, yet shares the product's memory
+        a = g.call_function(aten.mul.Tensor, (x, y))
+        v = g.call_function(aten._unsafe_view.default, (a, [4, 8]))
+        return g.call_function(aten.add.Tensor, (v, y)), a  # ``a`` kept (a plan that saves it for the backward)
+
+    for body in (read_again, a_view, broadcast, inputs_only, same_twice, unsafe_view_of_a_kept_value):
         gm = _graph(body)
         assert add_in_place(gm) == 0, body.__name__
         assert aten.add_.Tensor not in _targets(gm), body.__name__
+
+
+def test_an_unsafe_view_of_a_value_only_it_reads_takes_the_sum():
+    def body(g, x, y):
+        a = g.call_function(aten.mul.Tensor, (x, y))
+        v = g.call_function(aten._unsafe_view.default, (a, [4, 8]))
+        return (g.call_function(aten.add.Tensor, (v, y)),)
+    gm = _graph(body)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    want = gm(x, y)[0]
+    assert add_in_place(gm) == 1
+    assert torch.equal(gm(x, y)[0], want)
 
 
 def test_planned_gpt2_sums_gradients_in_place_with_eager_gradients():

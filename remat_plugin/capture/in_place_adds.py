@@ -25,6 +25,7 @@ from remat_plugin.torch_private import OpOverload
 
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 _rewriting = CaptureSwitch()
 
 
@@ -65,8 +66,16 @@ def _dies_here(value: fx.Node, add: fx.Node, rewritten: set[fx.Node]) -> bool:
 
 
 def _makes_fresh_tensors(node: fx.Node) -> bool:
-    """An aten or custom op whose results alias nothing (for a getitem, the op it takes from)."""
+    """An aten or custom op whose results alias nothing (for a getitem, the op it takes from).
+
+    ``aten._unsafe_view`` declares no alias but returns a view of its input: it is fresh only when
+    its input is, and nothing else reads that input (a recompute plan can keep it for the backward).
+    """
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     target = node.target
+    if target is _UNSAFE_VIEW:
+        base = node.args[0]
+        return (isinstance(base, fx.Node) and base.op == "call_function" and len(base.users) == 1
+                and _makes_fresh_tensors(base))
     return isinstance(target, OpOverload) and all(r.alias_info is None for r in target._schema.returns)

@@ -117,13 +117,15 @@ def _trained(opts: dict, setup: str, reference: list | None, budget: int | None 
     except InfeasibleBudgetError as exc:
         return {"infeasible": True, "min_feasible_bytes": exc.min_feasible_bytes}, [], run
     peak = _highest(max(p for p in peaks if p is not None))
-    same = all(_same(a, b) for a, b in zip(reference, steps)) if reference is not None else True
-    row: dict[str, Any] = {"peak_bytes": peak, "bitwise": _highest(int(same)) == 1,
+    differ = [k for k, (a, b) in enumerate(zip(reference, steps)) if not _same(a, b)] if reference is not None else []
+    row: dict[str, Any] = {"peak_bytes": peak, "bitwise": _highest(len(differ)) == 0, "steps_not_bitwise": differ,
                            "losses": [s[0].item() for s in steps]}
     if run.remat is not None:
         row["measured_step_bytes"] = run.remat.measured_peaks
         row["unit_plans"] = [{"predicted_peak_bytes": p.predicted_peak_bytes, "predicted_overhead": p.predicted_overhead,
                               "modes": [b.mode for b in p.blocks]} for p in run.remat.plans.values()]
+        row["unit_lowest"] = [{"predicted_peak_bytes": g.lowest.predicted_peak_bytes,
+                               "kept_bytes": run.remat.kept_bytes(g.key, g.lowest)} for g in run.remat.groups.values()]
     return row, steps, run
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from remat_plugin.ir.problem import Schedule
@@ -93,12 +94,18 @@ def _swap_option(cp: ChainPlan, block: int, option: int) -> ChainPlan:
     return ChainPlan(actions, cp.time_ms, cp.peak_bytes)
 
 
-def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float = 2.0):
+def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float = 2.0,
+               fits: Callable[[Simulation], bool] | None = None):
     """Greedy polish judged by the simulator: move single blocks to faster menu options while the peak fits.
 
     The chain DP budgets each block with rounded, block-local sizes, so it often leaves
-    room that only the whole-graph simulation can see.
+    room that only the whole-graph simulation can see.  ``fits``: another test than the
+    peak within ``budget_bytes`` (:func:`fastest_chained`).
     """
+    if fits is None:
+        def fits(sim: Simulation) -> bool:
+            return sim.peak_bytes <= budget_bytes
+
     deadline = time.perf_counter() + time_budget_s
     improved = True
     while improved and time.perf_counter() < deadline:
@@ -111,7 +118,7 @@ def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float =
                 cp = _swap_option(best[2], k, i)
                 sched = planner.assemble(cp)
                 sim = simulate(planner.problem, sched)
-                if sim.peak_bytes <= budget_bytes and sim.time_ms < best[1].time_ms:
+                if fits(sim) and sim.time_ms < best[1].time_ms:
                     best, improved = (sched, sim, cp), True
                     break
             if time.perf_counter() > deadline:
@@ -155,3 +162,54 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0):
                 break
     planner.lowest = best
     return best
+
+
+def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> ScheduleCandidate | None:
+    """The schedule lowest in ``(calls - 1) * kept + peak`` (then fastest): the step's peak when ``calls``
+    copies of this graph run one after another, as the layers of an FSDP model do (NOTE [FSDP2 budget]).
+
+    Each copy's kept bytes stay alive until its backward, so a plan that keeps less can beat the
+    lowest-peak one.  Candidates: the DP at budgets from its least to twice that, the plans made so
+    far, then single-block option swaps judged by the simulator, as in :func:`lowest_peak`.
+    """
+    def cost(sim: Simulation) -> tuple[int, float]:
+        return (calls - 1) * sim.kept_bytes + sim.peak_bytes, sim.time_ms
+
+    least = planner.min_dp_budget()
+    found = [planner.try_budget(int(least * (1 + k / 8))) for k in range(9)]
+    starts = [c for c in (*found, planner.lowest, *planner.chosen) if c is not None and c[2] is not None]
+    if not starts:
+        return None
+    best = min(starts, key=lambda c: cost(c[1]))
+    deadline = time.perf_counter() + time_budget_s
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
+        for k, o in chosen.items():
+            for i in range(len(planner.menus[k])):
+                if i == o:
+                    continue
+                cp = _swap_option(best[2], k, i)
+                sched = planner.assemble(cp)
+                sim = simulate(planner.problem, sched)
+                if cost(sim) < cost(best[1]):
+                    best, improved = (sched, sim, cp), True
+                    break
+            if improved or time.perf_counter() > deadline:
+                break
+    return best
+
+
+def fastest_chained(planner: Planner, fits: Callable[[Simulation], bool], start: ScheduleCandidate,
+                    time_budget_s: float = 2.0) -> ScheduleCandidate:
+    """The fastest schedule ``fits`` accepts, ``start`` (accepted) if none is faster: a test on kept bytes
+    and peak together, as a chain of FSDP units needs (NOTE [FSDP2 budget]), which no single DP budget
+    expresses.  Candidates: the DP at budgets from its least to 4x that, then :func:`hill_climb`."""
+    best = start
+    least = planner.min_dp_budget()
+    for k in range(17):
+        found = planner.try_budget(int(least * 2 ** (k / 8)))
+        if found is not None and fits(found[1]) and found[1].time_ms < best[1].time_ms:
+            best = found
+    return hill_climb(planner, 0, best, time_budget_s, fits=fits) if best[2] is not None else best

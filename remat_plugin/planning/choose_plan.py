@@ -16,7 +16,15 @@ from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_marg
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.baselines import rotor_schedule, sqrt_n_schedule
-from remat_plugin.planning.budget_search import ScheduleCandidate, fastest_fitting, hill_climb, lowest_peak, refine
+from remat_plugin.planning.budget_search import (
+    ScheduleCandidate,
+    fastest_chained,
+    fastest_fitting,
+    hill_climb,
+    lowest_chained,
+    lowest_peak,
+    refine,
+)
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S, Planner, kept_reads
 from remat_plugin.planning.solvers.chain import ChainPlan
 
@@ -123,12 +131,18 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         chosen = portfolio(problem, constants, planner, budget_bytes, chosen)
     if chosen is None:
         raise InfeasibleBudgetError(user_budget_bytes, min_feasible)
+    min_feasible = min(min_feasible, needed(chosen[1].peak_bytes))
+    stages = (("block menus", t_search - t_menus), ("budget search", time.perf_counter() - t_search))
+    return _as_plan(planner, base, chosen, user_budget_bytes, budget_bytes, min_feasible, t0, stages), chosen[0]
+
+
+def _as_plan(planner: Planner, base, chosen: ScheduleCandidate, user_budget_bytes: int, budget_bytes: int,
+             min_feasible: int, t0: float, stages: tuple[tuple[str, float], ...]) -> Plan:
     schedule, sim, cp = chosen
     if cp is not None:
         planner.remember((schedule, sim, cp))
         if planner.lowest is None or sim.peak_bytes < planner.lowest[1].peak_bytes:
             planner.lowest = (schedule, sim, cp)  # the search found a lower peak than the DP's least budget
-    min_feasible = min(min_feasible, needed(sim.peak_bytes))
     blocks = _block_choices(planner, cp, schedule)
     plan = Plan(
         budget_bytes=user_budget_bytes,
@@ -143,13 +157,44 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
         planning_s=time.perf_counter() - t0,
         schedule=schedule.bwd_sequence,
         notes=tuple(planner.notes),
-        planning_stages=(("block menus", t_search - t_menus), ("budget search", time.perf_counter() - t_search)),
+        planning_stages=stages,
     )
     log.debug("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s (margin %s), overhead %.3fx",
              len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(user_budget_bytes),
              human_bytes(plan.margin_bytes),
              plan.predicted_overhead)
-    return plan, schedule
+    return plan
+
+
+def chained_plan(problem: Problem, constants: set[str], calls: int, slack_bytes: int | None = None,
+                 lowest: Plan | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
+                 planners: PlannerCache | None = None) -> Plan:
+    """For a graph run ``calls`` times in a row in one step, each run's kept bytes alive until its
+    backward (an FSDP model's layers): the plan lowest in ``(calls - 1) * kept + peak``
+    (:func:`lowest_chained`), or with ``slack_bytes`` and that ``lowest`` plan, the fastest whose
+    ``calls * dk + max(0, dw)`` is at most ``slack_bytes`` (``dk``, ``dw``: kept bytes and the rest
+    of the peak over ``lowest``'s)."""
+    t0 = time.perf_counter()
+    base = simulate(problem, Schedule.keep_all(problem))
+    planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s)
+    t_search = time.perf_counter()
+    if slack_bytes is None or lowest is None:
+        found = lowest_chained(planner, calls)
+        chosen: ScheduleCandidate = found if found is not None else (Schedule.keep_all(problem), base, None)
+    else:
+        low_schedule = Schedule(lowest.schedule)
+        low = simulate(problem, low_schedule)
+
+        def fits(sim) -> bool:
+            extra_work = (sim.peak_bytes - sim.kept_bytes) - (low.peak_bytes - low.kept_bytes)
+            return calls * (sim.kept_bytes - low.kept_bytes) + max(0, extra_work) <= slack_bytes
+
+        start = next((c for c in (planner.lowest, *planner.chosen) if c is not None and c[0] == low_schedule),
+                     (low_schedule, low, None))
+        chosen = fastest_chained(planner, fits, start)
+    budget = budget_for_peak(chosen[1].peak_bytes)
+    return _as_plan(planner, base, chosen, budget, budget - safety_margin(budget), budget, t0,
+                    (("block menus", t_search - t0), ("budget search", time.perf_counter() - t_search)))
 
 
 def _faster(a: ScheduleCandidate | None, b: ScheduleCandidate | None) -> ScheduleCandidate | None:

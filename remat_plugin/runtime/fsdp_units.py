@@ -18,25 +18,25 @@ NOTE [FSDP2 budget]
     The units' plans are known exactly (the simulator); the rest of the step (FSDP's gathered
     parameters, the activations and gradients outside the units) is measured.  The first step of
     new input shapes captures each group (rank 0 profiles and solves) and runs every unit's
-    lowest-peak plan.  Before the next step, an unobserved forward+backward of the whole model
-    (buffers, RNG and ``.grad`` restored, as for NOTE [calibration]) is metered at the allocator,
-    the highest peak of all ranks taken, and rank 0 gives every new group the fastest plan whose
-    extra memory fits what is left under the budget, bounded over the chain of units by
-    ``sum_g n_g * dk_g + max(0, max_g(dp_g - dk_g))`` (``dk``: the plan's kept bytes over the
-    lowest plan's; ``dp``: the unit's own peak over the lowest plan's; ``n_g``: the group's calls
-    per step): every unit's extra kept bytes may be alive at once, and one unit's extra working
-    memory on top.  A second metered step checks the choice before any caller's step runs it:
-    above the budget, the units keep their lowest-peak plans and a warning says by how much.  If
-    the lowest plans already measure above the budget, :class:`InfeasibleBudgetError` says so
-    with the measured peak.  Two extra steps per new input shape are the price of a measured,
-    not guessed, remainder.
+    lowest-peak plan.  In a chain of ``n`` units what counts is not one unit's peak but
+    ``n * kept + (peak - kept)``: every unit's kept bytes (what its forward leaves for its backward)
+    are alive at once, one unit's working memory on top.  So before the next step rank 0 gives each
+    new group, from its plans at budgets between its lowest-peak plan and keeping everything, the
+    one lowest by that measure.  An unobserved forward+backward of the whole model (buffers, RNG and
+    ``.grad`` restored, as for NOTE [calibration]) is then metered at the allocator, the highest
+    peak of all ranks taken, and rank 0 gives the groups the fastest plans whose extra memory,
+    ``sum_g n_g * dk_g + max_g(max(0, dw_g))`` (``dk``, ``dw``: kept and working bytes over those
+    of the metered plan; ``n_g``: the group's calls per step), fits what is left under the budget.
+    A second metered step checks the choice before any caller's step runs it: above the budget,
+    the units go back to the metered plans and a warning says by how much.  If those already
+    measure above the budget, :class:`InfeasibleBudgetError` says so with the measured peak.  Two
+    extra steps per new input shape are the price of a measured, not guessed, remainder.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,7 +52,7 @@ from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import simulate
-from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.choose_plan import chained_plan, make_plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.budget import parse_budget
@@ -66,7 +66,6 @@ log = logging.getLogger(__name__)
 
 # A unit's outputs must not be views (FSDP's pre-backward hook on a view is lost to a caller's in-place op): no watch.
 UNIT_OPTIONS = ExecutionOptions(watch_outputs=False)
-N_CANDIDATES = 8  # per-unit budgets tried between the lowest plan and keeping everything
 
 
 def leaf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -95,7 +94,8 @@ class UnitGroup:
     """Leaf units of one class called with one input signature: one problem, one plan for all of them."""
 
     key: str
-    lowest: Plan  # the lowest-peak plan (what a metered first step runs)
+    floor: Plan  # the unit's lowest-peak plan alone: what the first step runs
+    lowest: Plan  # lowest in ``calls * kept + (peak - kept)`` (:func:`chained_plan`): what a metered step starts from
     plan: Plan  # what the units run now
     settled: bool = False  # its plan chosen for a metered step (NOTE [FSDP2 budget])
     steps: dict[int, PlannedStep] = field(default_factory=dict)  # unit index -> its step of ``plan``
@@ -145,6 +145,12 @@ class FsdpRemat:
         for hook in self._hooks:
             hook.remove()
 
+    def kept_bytes(self, key: str, plan: Plan) -> int | None:
+        """What ``plan`` keeps from a unit's forward for its backward (rank 0, which planned; None elsewhere)."""
+        if key not in self._problems:
+            return None
+        return simulate(self._problems[key][0], Schedule(plan.schedule)).kept_bytes
+
     # --- the step ---------------------------------------------------------------------------
     def _step_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Before a training step, settle the plans of groups the last step found (NOTE [FSDP2 budget])."""
@@ -157,9 +163,7 @@ class FsdpRemat:
             log.warning("remat_plugin.fsdp: a profiler is recording, so the step cannot be metered; the units keep "
                         "their lowest-peak plans until a step starts without it")
             return
-        for g in new:
-            if g.plan is not g.lowest:  # re-settled after a caller held an output: measured from the lowest plans
-                g.plan, g.steps = g.lowest, {}
+        self._lower(new)
         budget = parse_budget(self.budget, self._device)
         peak = self._metered_step(args, kwargs)
         if peak > budget:
@@ -266,7 +270,7 @@ class FsdpRemat:
             return dataclasses.replace(self._solve(problem, constants, 1), graph_key=graph_key)
 
         lowest = dist.from_rank_zero(lowest_plan, f"planning the FSDP unit {type(body.unit).__name__}")
-        group = self.groups[call.key] = UnitGroup(call.key, lowest, lowest)
+        group = self.groups[call.key] = UnitGroup(call.key, lowest, lowest, lowest)
         return group
 
     def _solve(self, problem: Problem, constants: set[str], budget_bytes: int) -> Plan:
@@ -278,30 +282,40 @@ class FsdpRemat:
                                 planners=self.caches.planners)
         return plan
 
+    def _lower(self, groups: list[UnitGroup]) -> None:
+        """Give each group its plan lowest in ``calls * kept + (peak - kept)`` (NOTE [FSDP2 budget])."""
+
+        def lowest() -> dict[str, Plan]:
+            chosen = {}
+            for g in groups:
+                problem, constants = self._problems[g.key]
+                plan = chained_plan(problem, constants, max(g.calls, 1), ilp_time_limit_s=self.ilp_time_limit_s,
+                                    planners=self.caches.planners)
+                chosen[g.key] = dataclasses.replace(plan, graph_key=g.floor.graph_key)
+            return chosen
+
+        chosen = dist.from_rank_zero(lowest, "choosing the FSDP units' lowest plans")
+        for g in groups:
+            if chosen[g.key].schedule != g.plan.schedule:
+                g.steps = {}
+            g.lowest = g.plan = chosen[g.key]
+
     def _choose(self, groups: list[UnitGroup], slack: int) -> bool:
-        """Rank 0 picks the groups' plans for ``slack`` bytes above the metered step (NOTE [FSDP2 budget])."""
+        """Rank 0 gives the groups their fastest plans for ``slack`` bytes above the metered step, shared by
+        their calls (NOTE [FSDP2 budget])."""
 
         def choose() -> dict[str, Plan]:
-            problems = {g.key: self._problems[g.key] for g in groups}
-            kept = {g.key: simulate(problems[g.key][0], Schedule(g.lowest.schedule)).kept_bytes for g in groups}
-            low = min(g.lowest.budget_bytes for g in groups)
-            high = max(budget_for_peak(g.lowest.baseline_peak_bytes) for g in groups)
-            for b in _descending(low, high, N_CANDIDATES):
-                plans = {g.key: dataclasses.replace(self._solve(*problems[g.key], b), graph_key=g.lowest.graph_key)
-                         for g in groups}
-                extra_kept, extra_work = 0, 0
-                for g in groups:
-                    plan = plans[g.key]
-                    dk = simulate(problems[g.key][0], Schedule(plan.schedule)).kept_bytes - kept[g.key]
-                    dp = plan.predicted_peak_bytes - g.lowest.predicted_peak_bytes
-                    extra_kept += g.calls * dk
-                    extra_work = max(extra_work, dp - dk)
-                if extra_kept + extra_work <= slack:
-                    return plans
-            return {g.key: g.lowest for g in groups}
+            calls = sum(g.calls for g in groups)
+            chosen = {}
+            for g in groups:
+                problem, constants = self._problems[g.key]
+                plan = chained_plan(problem, constants, g.calls, slack * g.calls // calls, g.lowest,
+                                    self.ilp_time_limit_s, self.caches.planners)
+                chosen[g.key] = dataclasses.replace(plan, graph_key=g.lowest.graph_key)
+            return chosen
 
         chosen = dist.from_rank_zero(choose, "choosing the FSDP units' plans")
-        changed = [g for g in groups if chosen[g.key] is not g.lowest and chosen[g.key].schedule != g.lowest.schedule]
+        changed = [g for g in groups if chosen[g.key].schedule != g.lowest.schedule]
         for g in changed:
             g.plan, g.steps = chosen[g.key], {}
         return bool(changed)
@@ -315,14 +329,6 @@ def _root_of(outputs: list[torch.Tensor]) -> int | None:
     """Where a step's backward starts: the first scalar output with a gradient (the loss), else the first with one."""
     graded = [i for i, t in enumerate(outputs) if t.requires_grad and t.is_floating_point()]
     return next((i for i in graded if outputs[i].numel() == 1), graded[0] if graded else None)
-
-
-def _descending(low: int, high: int, n: int) -> list[int]:
-    """``n`` budgets from ``high`` down to ``low``, evenly spaced in log scale."""
-    if high <= low:
-        return [low]
-    ratio = math.log(high / low)
-    return [int(low * math.exp(ratio * (n - 1 - i) / (n - 1))) for i in range(n)]
 
 
 def rematerialize_fsdp(model: nn.Module, budget: int | str = "80%", *,

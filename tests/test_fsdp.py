@@ -1,0 +1,132 @@
+"""FSDP2 units with planned rematerialization (NOTE [FSDP2 units], [FSDP2 budget] in remat_plugin.runtime.fsdp_units).
+
+Two ``torchrun`` processes (gloo) run ``python -m remat_plugin.bench fsdp``'s worker on gpt2-tiny and
+llama-tiny, every layer sharded: losses and gathered gradients bitwise those of plain FSDP2 on every
+step, each rank's allocator peak within its budget, the floor below FSDP2 + per-layer checkpointing's.
+The rest runs in this process on a one-rank group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from remat_plugin.bench.fsdp_bench import launch
+from remat_plugin.errors import InfeasibleBudgetError, RematError
+
+pytestmark = pytest.mark.slow
+
+SHARES = [0.5, 0.6, 0.7, 0.85, 1.0]
+
+
+@pytest.fixture(scope="module", params=["gpt2-tiny", "llama-tiny"])
+def fsdp_run(request):
+    opts = {"model": request.param, "layers": 2, "batch_size": 4, "seq_len": 128, "budgets": SHARES,
+            "dtype": "float64", "device": "cpu", "steps": 4, "pairs": 0}
+    return launch(opts, nproc=2, timeout_s=900)
+
+
+def test_fsdp_units_train_bitwise_under_every_budget(fsdp_run):
+    plain, ckpt = fsdp_run["plain"], fsdp_run["per-layer checkpointing"]
+    assert fsdp_run["world_size"] == 2 and ckpt["bitwise"]
+    feasible = {share: row for share, row in fsdp_run["ours"].items() if not row.get("infeasible")}
+    assert set(feasible) >= {"0.6", "0.7", "0.85", "1.0"}, fsdp_run["ours"]
+    for share, row in fsdp_run["ours"].items():
+        if row.get("infeasible"):  # the error names a budget above the one asked for
+            assert row["min_feasible_bytes"] > row["budget_bytes"]
+            continue
+        assert row["bitwise"], (share, row["steps_not_bitwise"])
+        assert row["peak_bytes"] <= row["budget_bytes"], (share, row["peak_bytes"], row["budget_bytes"])
+        assert len(row["losses"]) == 4
+    # the lowest budget reached is below plain FSDP2 + per-layer checkpointing's measured peak
+    lowest = min(min(row["peak_bytes"] for row in feasible.values()),
+                 min((row["min_feasible_bytes"] for row in fsdp_run["ours"].values() if row.get("infeasible")),
+                     default=plain["peak_bytes"]))
+    assert lowest < ckpt["peak_bytes"] < plain["peak_bytes"]
+
+
+# --- one rank, in this process --------------------------------------------------------------------------
+@pytest.fixture
+def one_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded_gpt2(dtype=torch.float64):
+    from torch.distributed.fsdp import fully_shard
+
+    from remat_plugin.bench.models import build
+
+    bench = build("gpt2-tiny", n_layer=2, batch_size=2, seq_len=64, dtype=dtype)
+    for layer in bench.layers:
+        fully_shard(layer)
+    fully_shard(bench.module)
+    return bench
+
+
+def test_a_model_without_units_is_refused(one_rank):
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    with pytest.raises(RematError, match="no fully_shard unit"):
+        rematerialize_fsdp(torch.nn.Linear(4, 4), "1GiB")
+
+
+def test_a_budget_below_the_lowest_plans_is_refused_with_the_measured_peak(one_rank):
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    bench = _sharded_gpt2()
+    rematerialize_fsdp(bench.module, 1 << 20)
+    args, kwargs = bench.make_batch(0)
+    bench.loss(bench.module(*args, **kwargs)).backward()  # the first step plans the units
+    with pytest.raises(InfeasibleBudgetError, match="measured") as info:
+        bench.module(*args, **kwargs)
+    assert info.value.min_feasible_bytes > 1 << 20
+
+
+def test_an_output_held_through_backward_re_settles_the_plans(one_rank, caplog):
+    """The metered step drops the logits; a caller that keeps them is seen, warned about, and measured next."""
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    bench = _sharded_gpt2()
+    remat = rematerialize_fsdp(bench.module, 10 << 30)
+    args, kwargs = bench.make_batch(0)
+    for _ in range(2):  # plan, then meter and settle
+        bench.loss(bench.module(*args, **kwargs)).backward()
+    assert all(g.settled for g in remat.groups.values()) and len(remat.measured_peaks) >= 1
+    metered = len(remat.measured_peaks)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        logits = bench.module(*args, **kwargs)
+        bench.loss(logits).backward()  # ``logits`` held through the backward
+    assert "held model outputs" in caplog.text
+    assert not any(g.settled for g in remat.groups.values())
+    del logits
+    bench.loss(bench.module(*args, **kwargs)).backward()
+    assert len(remat.measured_peaks) > metered and all(g.settled for g in remat.groups.values())
+
+
+def test_remove_restores_the_model(one_rank):
+    from remat_plugin.runtime.fsdp_units import leaf_units, rematerialize_fsdp
+
+    bench = _sharded_gpt2()
+    args, kwargs = bench.make_batch(0)
+    torch.manual_seed(1)
+    bench.loss(bench.module(*args, **kwargs)).backward()
+    expected = [p.grad.full_tensor().clone() for p in bench.module.parameters()]
+    bench.module.zero_grad(set_to_none=True)
+    remat = rematerialize_fsdp(bench.module, 10 << 30)
+    torch.manual_seed(1)
+    bench.loss(bench.module(*args, **kwargs)).backward()
+    assert remat.groups
+    got = [p.grad.full_tensor().clone() for p in bench.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    remat.remove()
+    assert all("forward" not in vars(unit) for _, unit in leaf_units(bench.module))

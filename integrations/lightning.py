@@ -36,6 +36,7 @@ from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.forward_swap import ForwardSwap
+from remat_plugin.runtime.fsdp_units import FsdpRemat, leaf_units
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import BucketPolicy, describe
 
@@ -69,6 +70,11 @@ def pick_target(pl_module: pl.LightningModule, name: str | None) -> tuple[str, n
         return "", pl_module
     _, best_name, best = max(children, key=lambda c: c[0])
     return best_name, best
+
+
+def _shards(strategy: object) -> bool:
+    """Lightning's FSDP2 strategy: ``configure_model`` applies ``fully_shard``, after the callbacks' setup."""
+    return type(strategy).__name__ == "ModelParallelStrategy"
 
 
 def _quiet(message: str) -> None:
@@ -121,6 +127,7 @@ class AutoRemat(pl.Callback):
         self.session: RematSession | None = None
         self.enabled = True
         self._swap: ForwardSwap | None = None
+        self.fsdp: FsdpRemat | None = None  # under ModelParallelStrategy
         self._stored_state: dict[str, Any] | None = None
         self._unlogged: list[Plan] = []
         self._info: Callable[[str], Any] = rank_zero_info if verbose else _quiet
@@ -133,6 +140,9 @@ class AutoRemat(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self._swap is not None:
             return
+        self.check_strategy(trainer.strategy)
+        if _shards(trainer.strategy):  # configure_model applies fully_shard after this: installed in on_fit_start
+            return
         if any(isinstance(c, BatchSizeFinder) for c in trainer.callbacks):  # type: ignore[attr-defined]
             # Its trial steps (in its on_fit_start, which Lightning runs before ours) would each
             # plan a batch size that is then thrown away: they run the unmodified model instead.
@@ -141,6 +151,10 @@ class AutoRemat(pl.Callback):
         self._install(trainer, pl_module)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if _shards(trainer.strategy):
+            if self.fsdp is None:
+                self._install_fsdp(trainer, pl_module)
+            return
         if self._swap is None and self.enabled:
             self._install(trainer, pl_module)
         if self.config.auto_batch_size and self.session is not None and self.batch_size_choice is None:
@@ -173,11 +187,36 @@ class AutoRemat(pl.Callback):
 
     @staticmethod
     def check_strategy(strategy: object) -> None:
-        """Refuse DeepSpeed: its engine owns the forward, backward and the parameters' memory."""
-        if "deepspeed" in type(strategy).__name__.lower():
-            raise RematError(f"AutoRemat: the {type(strategy).__name__} is not supported: DeepSpeed's engine runs the "
-                             "backward and partitions the parameters itself. Use strategy='ddp' (or 'auto'), or "
-                             "remove AutoRemat")
+        """Refuse DeepSpeed (its engine owns the forward, backward and the parameters' memory) and FSDP1."""
+        name = type(strategy).__name__
+        if "deepspeed" in name.lower():
+            raise RematError(f"AutoRemat: the {name} is not supported: DeepSpeed's engine runs the "
+                             "backward and partitions the parameters itself. Use strategy='ddp' (or 'auto'), "
+                             "ModelParallelStrategy with fully_shard, or remove AutoRemat")
+        if name == "FSDPStrategy":
+            raise RematError("AutoRemat: FSDPStrategy (FSDP1's flat parameters) is not supported. Use "
+                             "ModelParallelStrategy and apply fully_shard (FSDP2) to the layers and the model in "
+                             "configure_model: AutoRemat then plans each sharded layer")
+
+    def _install_fsdp(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under ModelParallelStrategy: plan the target's fully_shard units (NOTE [FSDP2 units])."""
+        self.check_precision(trainer.precision)
+        name, target = pick_target(pl_module, self.module_name)
+        if not leaf_units(target):
+            raise RematError(f"AutoRemat: under {type(trainer.strategy).__name__}, {type(target).__name__} has no "
+                             "fully_shard unit. Apply fully_shard to its layers and then to it in configure_model, "
+                             "or remove AutoRemat")
+        for option, value in (("auto_batch_size", self.config.auto_batch_size), ("compile", self.config.compile)):
+            if value:
+                raise RematError(f"AutoRemat: {option}={value!r} is not supported with sharded (fully_shard) "
+                                 "layers; remove the option")
+        if not self._avoid_double_checkpointing(trainer, target):
+            self.enabled = False
+            return
+        self.fsdp = FsdpRemat(target, self.config.budget, ilp_time_limit_s=self.config.ilp_time_limit_s)
+        self._info(f"AutoRemat: planning {len(self.fsdp.unit_names)} sharded layers of "
+                   f"{type(pl_module).__name__}{'.' + name if name else ''}, budget {_shown(self.config.budget)} "
+                   "per rank")
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_strategy(trainer.strategy)
@@ -207,6 +246,9 @@ class AutoRemat(pl.Callback):
         if self._swap is not None:
             self._swap.restore()
             self._swap = None
+        if self.fsdp is not None:
+            self.fsdp.remove()
+            self.fsdp = None
 
     def _avoid_double_checkpointing(self, trainer: pl.Trainer, target: nn.Module) -> bool:
         """Our plan replaces HF gradient checkpointing; wrappers and FSDP policies we cannot undo turn us off."""

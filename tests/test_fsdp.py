@@ -7,9 +7,13 @@ The rest runs in this process on a one-rank group.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +51,39 @@ def test_fsdp_units_train_bitwise_under_every_budget(fsdp_run):
                  min((row["min_feasible_bytes"] for row in fsdp_run["ours"].values() if row.get("infeasible")),
                      default=plain["peak_bytes"]))
     assert lowest < ckpt["peak_bytes"] < plain["peak_bytes"]
+
+
+# --- Lightning ModelParallelStrategy ---------------------------------------------------------------------
+LIGHTNING_SCRIPT = Path(__file__).parent / "launch_scripts" / "fsdp_lightning.py"
+
+
+def _lightning(out: Path, budget: int | None = None) -> list[dict]:
+    cmd = [sys.executable, str(LIGHTNING_SCRIPT), str(out)] + (["--budget", str(budget)] if budget else [])
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_lightning_model_parallel_strategy_trains_bitwise_within_the_budget(tmp_path):
+    """Trainer(strategy=ModelParallelStrategy(...), callbacks=[AutoRemat(budget)]): the same losses and
+    final parameters as without AutoRemat, every metered step of every rank within the budget."""
+    plain = _lightning(tmp_path / "plain")
+    budget = int(0.9 * max(max(r["peaks"]) for r in plain))
+    ours = _lightning(tmp_path / "ours", budget)
+    for p, o in zip(plain, ours):
+        assert o["planned"] and o["losses"] == p["losses"] and o["params"] == p["params"]
+        assert o["peaks"] and max(o["peaks"]) <= budget, (o["peaks"], budget)
+
+
+def test_lightning_refuses_fsdp1():
+    from remat_plugin.integrations.lightning import AutoRemat
+
+    class FSDPStrategy:  # the names Lightning's strategies have
+        pass
+
+    with pytest.raises(RematError, match="FSDPStrategy.*ModelParallelStrategy"):
+        AutoRemat(budget="1GiB").check_strategy(FSDPStrategy())
 
 
 # --- one rank, in this process --------------------------------------------------------------------------

@@ -35,6 +35,11 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
+def copies_collective_inputs() -> bool:
+    """gloo (CPU) runs collectives on its own threads, on a clone of the input freed when the thread is done."""
+    return is_distributed() and dist.get_backend() == "gloo"
+
+
 def is_rank_zero() -> bool:
     return rank() == 0
 

@@ -27,6 +27,10 @@ NOTE [FSDP2 budget]
     peak of all ranks taken, and rank 0 gives the groups the fastest plans whose extra memory,
     ``sum_g n_g * dk_g + max_g(max(0, dw_g))`` (``dk``, ``dw``: kept and working bytes over those
     of the metered plan; ``n_g``: the group's calls per step), fits what is left under the budget.
+    gloo (CPU) reduce-scatters a clone of its input on its own thread and frees the clone when that
+    thread is done, so whether one unit's gradients are alive twice at the peak is a race (gpt2-tiny:
+    6.0 MiB more in some steps than in others of the same plan).  Under gloo one unit's unsharded
+    gradients (:attr:`FsdpRemat.in_flight_bytes`) are added to every metered peak.
     A second metered step checks the choice before any caller's step runs it: above the budget,
     the units go back to the metered plans and a warning says by how much.  If those already
     measure above the budget, :class:`InfeasibleBudgetError` says so with the measured peak.  Two
@@ -126,6 +130,7 @@ class FsdpRemat:
         self.groups: dict[str, UnitGroup] = {}
         self.measured_peaks: list[int] = []
         self._bodies = [UnitBody(m) for _, m in units]
+        self._units = [m for _, m in units]
         self._problems: dict[str, tuple[Problem, set[str]]] = {}  # rank 0: each group's problem
         self._device = torch.device("cpu")
         self._metering = False
@@ -133,6 +138,13 @@ class FsdpRemat:
         self._held: frozenset[int] = frozenset()  # model outputs (tensor positions) a caller held through backward
         self._hooks = [model.register_forward_pre_hook(self._step_starts, prepend=True, with_kwargs=True),
                        model.register_forward_hook(self._step_outputs)]
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Under gloo, one leaf unit's unsharded gradients: a reduce-scatter's clone a step may hold or not."""
+        if not dist.copies_collective_inputs():
+            return 0
+        return max(sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in self._units)
 
     @property
     def plans(self) -> dict[str, Plan]:
@@ -213,7 +225,7 @@ class FsdpRemat:
                 p.grad = grad
         peak = max(dist.all_gather(peak))
         self.measured_peaks.append(peak)
-        return peak
+        return peak + self.in_flight_bytes
 
     def _step_outputs(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Watch which outputs the caller still holds when its backward starts; one not metered so re-settles."""

@@ -29,6 +29,14 @@ same way (:func:`_mixed_precision_forward`) and plans the step as it runs under 
 refused.  A compiled model (``dynamo_backend``, ``torch.compile``) is refused naming ``REMAT_COMPILE=1``,
 which compiles the planned step instead.
 
+FSDP2: with ``fsdp_version: 2`` (Accelerate shards the layers: ``fsdp_auto_wrap_policy:
+TRANSFORMER_BASED_WRAP``), or a model the script has ``fully_shard``-ed itself (prepared with its
+optimizer first, ``model, opt = accelerator.prepare(model, opt)``, or not at all), :func:`prepare` puts a
+:class:`~remat_plugin.runtime.fsdp_units.FsdpRemat` on the model instead of the hook: each sharded layer
+runs a planned step under a per-rank budget (NOTE [FSDP2 units]); :func:`find_fsdp` returns it.
+FSDP1 (``fsdp_version: 1``) and DeepSpeed are refused.  Accelerate turns FSDP on only on GPUs; on CPU
+the script's own ``fully_shard`` path is tested (``tests/test_fsdp.py``).
+
 Output: Accelerate sets up no logging handler, so what the main process says (what is rewritten,
 one line per new plan, the batch size chosen) goes to stderr through ``remat_plugin``'s default
 handler (:mod:`remat_plugin.runtime.reporting`) unless the script configures logging;
@@ -52,6 +60,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +89,7 @@ from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import ENV_VARIABLES, ConfigError, RematConfig, env_texts
 from remat_plugin.runtime.dist import is_rank_zero
+from remat_plugin.runtime.fsdp_units import FsdpRemat, leaf_units
 from remat_plugin.runtime.optimizer_state import unwrap
 from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.session import RematSession
@@ -87,9 +97,9 @@ from remat_plugin.runtime.signature import describe
 
 log = logging.getLogger(__name__)
 
-# Accelerate set-ups whose module we cannot (yet) rewrite: they shard or compile the model themselves.
+# Accelerate set-ups whose module we cannot (yet) rewrite: they own the model's memory or compile it themselves.
 SUPPORTED_MIXED_PRECISION = ("no", "bf16", "fp16")  # fp8 recipes (Transformer Engine, MS-AMP, torchao) are not
-_UNSUPPORTED = (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
+_UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
 _BUDGET_ENV = ENV_VARIABLES["budget"]
 
 
@@ -279,6 +289,8 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
         return accelerator.prepare(model)
     config = plugin.to_config()
     _check_supported(accelerator)
+    if _sharded(accelerator, model):
+        return _prepare_sharded(accelerator, model, config)
     if find_hook(model) is not None:
         raise RematError("remat_plugin.accelerate: the model already has a RematHook (prepare ran on it before); "
                          "call prepare once per model, or first remove the hook with "
@@ -296,6 +308,52 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
     if config.verbose:
         announce(f"remat_plugin.accelerate: rewriting {type(target).__name__} "
                  f"({sum(p.numel() for p in target.parameters()):,} parameters), budget {config.budget}", log)
+    return prepared
+
+
+# --- FSDP2 --------------------------------------------------------------------------------------------
+_FSDP: weakref.WeakKeyDictionary[nn.Module, FsdpRemat] = weakref.WeakKeyDictionary()
+
+
+def find_fsdp(model: nn.Module) -> FsdpRemat | None:
+    """The :class:`~remat_plugin.runtime.fsdp_units.FsdpRemat` :func:`prepare` put on a sharded model, if any."""
+    return _FSDP.get(extract_model_from_parallel(model, keep_torch_compile=False))
+
+
+def _sharded(accelerator: Accelerator, model: nn.Module) -> bool:
+    """FSDP2: Accelerate's (``fsdp_version: 2``), or ``fully_shard`` applied by the script before this."""
+    return accelerator.is_fsdp2 or bool(leaf_units(extract_model_from_parallel(model, keep_torch_compile=False)))
+
+
+def _prepare_sharded(accelerator: Accelerator, model: nn.Module, config: RematConfig) -> nn.Module:
+    """Plan each ``fully_shard`` unit (NOTE [FSDP2 units]); ``accelerator.prepare(model)`` first unless the
+    model is sharded already (``accelerator.prepare(model, optimizer)``, or the script's own ``fully_shard``)."""
+    for option, value in (("auto_batch_size", config.auto_batch_size), ("compile", config.compile)):
+        if value:
+            raise RematError(f"remat_plugin.accelerate: {option}={value!r} is not supported with sharded "
+                             "(fully_shard) layers; remove it")
+    plugin = accelerator.state.fsdp_plugin if accelerator.is_fsdp2 else None
+    if plugin is not None and plugin.activation_checkpointing:
+        if is_rank_zero():
+            log.warning("remat_plugin.accelerate: the FSDP plugin already checkpoints activations "
+                        "(fsdp_activation_checkpointing); remat stays off to avoid checkpointing twice. Turn it off "
+                        "to let remat_plugin plan instead.")
+        return accelerator.prepare(model)
+    target = extract_model_from_parallel(model, keep_torch_compile=False)
+    prepared = model if leaf_units(target) else accelerator.prepare(model)
+    target = extract_model_from_parallel(prepared, keep_torch_compile=False)
+    if not leaf_units(target):
+        raise RematError(f"remat_plugin.accelerate: {type(target).__name__} has no fully_shard unit inside it. Shard "
+                         "its layers (fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with "
+                         "fsdp_transformer_layer_cls_to_wrap, or fully_shard on each layer), or unset "
+                         f"{_BUDGET_ENV}")
+    if target in _FSDP:
+        raise RematError("remat_plugin.accelerate: the model's sharded layers are planned already (prepare ran on "
+                         "it before); call prepare once per model")
+    remat = _FSDP[target] = FsdpRemat(target, config.budget, ilp_time_limit_s=config.ilp_time_limit_s)
+    if config.verbose:
+        announce(f"remat_plugin.accelerate: planning {len(remat.unit_names)} sharded layers of "
+                 f"{type(target).__name__}, budget {config.budget} per rank", log)
     return prepared
 
 
@@ -317,6 +375,10 @@ def _mixed_precision_forward(accelerator: Accelerator) -> Callable[[Callable], C
 
 def _check_supported(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP and not accelerator.is_fsdp2:
+        raise RematError("remat_plugin.accelerate: FSDP1 (fsdp_version: 1) is not supported; set fsdp_version: 2 "
+                         "(with fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP) and remat_plugin plans each sharded "
+                         f"layer, or unset {_BUDGET_ENV}.")
     if kind in _UNSUPPORTED:
         raise RematError(f"remat_plugin.accelerate: distributed_type {kind.value} is not supported; the plan runs "
                          f"in one process or under DDP (MULTI_GPU, MULTI_CPU, ...). Unset {_BUDGET_ENV} or "

@@ -7,6 +7,12 @@ step), re-plans per shape bucket and keeps plans in the callback's checkpoint st
 is replaced or wrapped, so ``state_dict`` keys, ``Parameter`` objects and checkpoints are
 exactly those of the run without the callback.
 
+Sharding: under ``ModelParallelStrategy`` the LightningModule's ``configure_model`` applies
+``fully_shard`` after the callbacks' ``setup``, so the callback waits for ``on_fit_start`` and then
+plans each sharded layer of the target under a per-rank budget
+(:class:`~remat_plugin.runtime.fsdp_units.FsdpRemat`, NOTE [FSDP2 units]).  ``FSDPStrategy`` (FSDP1)
+and DeepSpeed are refused at setup.
+
 Precision: Lightning's ``32``/``64``/``16``/``bf16`` ``-true`` and ``-mixed`` settings.  Under
 ``-mixed`` the session plans the step as it runs inside Lightning's autocast block (the casts are
 ops of the plan, the signature includes the autocast state); ``16-mixed``'s GradScaler scales the

@@ -9,6 +9,10 @@ def __getattr__(name: str):
         from remat_plugin.integrations.lightning import AutoRemat
 
         return AutoRemat
+    if name == "rematerialize_fsdp":  # imported on use, with torch.distributed.fsdp
+        from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+        return rematerialize_fsdp
     raise AttributeError(f"module 'remat_plugin' has no attribute {name!r}")
 
 
@@ -22,4 +26,5 @@ __all__ = [
     "RematError",
     "RematModule",
     "rematerialize",
+    "rematerialize_fsdp",
 ]

@@ -84,6 +84,16 @@ def test_fp8_mixed_precision_is_refused_naming_what_is_supported():
         remat_accelerate._check_supported(accelerator)
 
 
+def test_fsdp1_and_deepspeed_are_refused_naming_the_fix():
+    """FSDP1's flat parameters and DeepSpeed's engine are refused in one line; FSDP2 is planned (tests/test_fsdp.py)."""
+    fsdp1 = types.SimpleNamespace(distributed_type=DistributedType.FSDP, is_fsdp2=False, mixed_precision="no")
+    with pytest.raises(RematError, match="FSDP1 .* is not supported; set fsdp_version: 2"):
+        remat_accelerate._check_supported(fsdp1)
+    deepspeed = types.SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, is_fsdp2=False, mixed_precision="no")
+    with pytest.raises(RematError, match="distributed_type DEEPSPEED is not supported"):
+        remat_accelerate._check_supported(deepspeed)
+
+
 def test_remat_launch_rejects_a_bad_budget_in_one_line(capsys):
     """`remat launch --budget eighty ...` exits 2 with one line naming the accepted forms, before any launch."""
     assert cli.main(["launch", "--budget", "eighty", "--multi_gpu", str(EXAMPLE)]) == 2

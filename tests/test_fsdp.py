@@ -55,25 +55,44 @@ def test_fsdp_units_train_bitwise_under_every_budget(fsdp_run):
 
 # --- Lightning ModelParallelStrategy ---------------------------------------------------------------------
 LIGHTNING_SCRIPT = Path(__file__).parent / "launch_scripts" / "fsdp_lightning.py"
+ACCELERATE_SCRIPT = Path(__file__).parent / "launch_scripts" / "fsdp_accelerate.py"
 
 
-def _lightning(out: Path, budget: int | None = None) -> list[dict]:
-    cmd = [sys.executable, str(LIGHTNING_SCRIPT), str(out)] + (["--budget", str(budget)] if budget else [])
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+def _launched(cmd: list[str], out: Path, env_extra: dict[str, str]) -> list[dict]:
+    """Run a 2-process launch writing ``out.rank{r}.json``; both ranks' results."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REMAT_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(out.parent / "hf_home"), **env_extra)
+    proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def test_lightning_model_parallel_strategy_trains_bitwise_within_the_budget(tmp_path):
-    """Trainer(strategy=ModelParallelStrategy(...), callbacks=[AutoRemat(budget)]): the same losses and
-    final parameters as without AutoRemat, every metered step of every rank within the budget."""
-    plain = _lightning(tmp_path / "plain")
+def _same_training_within_budget(run, tmp: Path) -> None:
+    """``run(out, budget)`` with no budget, then at 0.9 of its highest peak: the same losses and final
+    parameters (float64, bitwise), every metered step of every rank within the budget."""
+    plain = run(tmp / "plain", None)
     budget = int(0.9 * max(max(r["peaks"]) for r in plain))
-    ours = _lightning(tmp_path / "ours", budget)
+    ours = run(tmp / "ours", budget)
     for p, o in zip(plain, ours):
         assert o["planned"] and o["losses"] == p["losses"] and o["params"] == p["params"]
         assert o["peaks"] and max(o["peaks"]) <= budget, (o["peaks"], budget)
+
+
+def test_lightning_model_parallel_strategy_trains_bitwise_within_the_budget(tmp_path):
+    """Trainer(strategy=ModelParallelStrategy(...), callbacks=[AutoRemat(budget)])."""
+    def run(out: Path, budget: int | None) -> list[dict]:
+        return _launched([sys.executable, str(LIGHTNING_SCRIPT)] + (["--budget", str(budget)] if budget else []),
+                         out, {})
+    _same_training_within_budget(run, tmp_path)
+
+
+def test_accelerate_launch_with_remat_budget_plans_the_sharded_layers(tmp_path):
+    """``REMAT_BUDGET=... accelerate launch`` of a fully_shard-ed model."""
+    def run(out: Path, budget: int | None) -> list[dict]:
+        return _launched([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", str(ACCELERATE_SCRIPT)], out,
+                         {"REMAT_BUDGET": str(budget)} if budget else {})
+    _same_training_within_budget(run, tmp_path)
 
 
 def test_lightning_refuses_fsdp1():

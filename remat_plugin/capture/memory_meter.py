@@ -254,10 +254,11 @@ class AllocatorTrace:
         return peak, live
 
 
-def allocator_trace(prof: profile, device: torch.device | str = "cpu") -> AllocatorTrace:
+def allocator_trace(prof: profile, device: torch.device | str = "cpu", excluding: tuple[str, ...] = ()) -> AllocatorTrace:
     """The allocator events of ``device`` in a finished session (NOTE [frees from before the session]).
 
     Read from the session's Chrome trace: only there do memory events carry the block address.
+    ``excluding``: blocks allocated inside an op of one of these names are left out (with their frees).
     """
     dev = torch.device(device)
     kind = 1 if dev.type == "cuda" else 0  # the trace's "Device Type": c10::DeviceType
@@ -271,9 +272,13 @@ def allocator_trace(prof: profile, device: torch.device | str = "cpu") -> Alloca
         if e.get("name") == "[memory]" and e["args"].get("Device Type") == kind
         and (dev.index is None or e["args"].get("Device Id") in (dev.index, -1))
     )
+    inside = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace if e.get("ph") == "X" and e["name"] in excluding)
     mine: dict[int, int] = {}
     events = []
     for t, nbytes, addr in raw:
+        if nbytes > 0 and inside and _within(inside, t):
+            mine.pop(addr, None)
+            continue
         if nbytes > 0:
             mine[addr] = nbytes
             events.append((t, nbytes))
@@ -281,6 +286,12 @@ def allocator_trace(prof: profile, device: torch.device | str = "cpu") -> Alloca
             events.append((t, -mine.pop(addr)))
     ranges = {e["name"]: (e["ts"], e["ts"] + e.get("dur", 0)) for e in trace if e.get("ph") == "X"}
     return AllocatorTrace(tuple(events), ranges)
+
+
+def _within(spans: list[tuple[float, float]], t: float) -> bool:
+    """``t`` lies in one of ``spans`` (sorted by start)."""
+    i = bisect.bisect_right(spans, (t, float("inf")))
+    return any(start <= t <= end for start, end in spans[max(0, i - 8):i])
 
 
 def measure_peak_profiler(fn: Callable[[], Any]) -> tuple[Any, int]:

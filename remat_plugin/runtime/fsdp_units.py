@@ -29,8 +29,9 @@ NOTE [FSDP2 budget]
     of the metered plan; ``n_g``: the group's calls per step), fits what is left under the budget.
     gloo (CPU) reduce-scatters a clone of its input on its own thread and frees the clone when that
     thread is done, so whether one unit's gradients are alive twice at the peak is a race (gpt2-tiny:
-    6.0 MiB more in some steps than in others of the same plan).  Under gloo one unit's unsharded
-    gradients (:attr:`FsdpRemat.in_flight_bytes`) are added to every metered peak.
+    6.0 MiB more in some steps than in others of the same plan).  The metered peak leaves those
+    clones out and, under gloo, adds one unit's unsharded gradients (:attr:`FsdpRemat.in_flight_bytes`)
+    instead: the worst case, every time.
     A second metered step checks the choice before any caller's step runs it: above the budget,
     the units go back to the metered plans and a warning says by how much.  If those already
     measure above the budget, :class:`InfeasibleBudgetError` says so with the measured peak.  Two
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 
 # A unit's outputs must not be views (FSDP's pre-backward hook on a view is lost to a caller's in-place op): no watch.
 UNIT_OPTIONS = ExecutionOptions(watch_outputs=False)
+GLOO_COPIES = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_")  # ops whose input gloo clones (NOTE [FSDP2 budget])
 
 
 def leaf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -218,7 +220,8 @@ class FsdpRemat:
                     del outputs
                     loss.backward()
                     del loss, held
-            peak = allocator_trace(prof, self._device).peak_rise()[0]
+            # gloo's reduce-scatter clones are left out here and counted once in ``in_flight_bytes``
+            peak = allocator_trace(prof, self._device, excluding=GLOO_COPIES).peak_rise()[0]
         finally:
             self._metering = False
             for p, grad in zip(params, grads):

@@ -19,7 +19,7 @@ if _XDIST:
 # reordered here so that the longest start first and no long file is left to run alone at the end.  (xdist_group
 # with --dist loadgroup groups nothing under pytest 9.2 + pytest-xdist 3.8: xdist renames item._nodeid, pytest
 # reads item._id.)
-_LONGEST_FIRST = ["test_model_families.py", "test_mixed_precision.py", "test_plan_quality.py", "test_api.py",
+_LONGEST_FIRST = ["test_model_families.py", "test_mixed_precision.py", "test_plan_quality.py", "test_fsdp.py", "test_api.py",
                   "test_lightning.py", "test_compile.py", "test_lightning_precision.py",
                   "test_accelerate_launch.py", "test_cli.py", "test_training_loop.py", "test_bench_batch_size.py",
                   "test_rank_failures.py", "test_output.py", "test_accelerate_batch_size.py", "test_bench_compare.py"]

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", default="0.6,0.7,0.8,0.9,1.0", help="shares of plain FSDP2's measured peak")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--json", default=None)

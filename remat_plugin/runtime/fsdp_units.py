@@ -21,21 +21,24 @@ NOTE [FSDP2 budget]
     lowest-peak plan.  In a chain of ``n`` units what counts is not one unit's peak but
     ``n * kept + (peak - kept)``: every unit's kept bytes (what its forward leaves for its backward)
     are alive at once, one unit's working memory on top.  So before the next step rank 0 gives each
-    new group, from its plans at budgets between its lowest-peak plan and keeping everything, the
-    one lowest by that measure.  An unobserved forward+backward of the whole model (buffers, RNG and
+    new group the plan lowest by that measure it finds (:func:`chained_plan`: the chain DP at
+    several budgets, then single-block swaps judged by the simulator).  An unobserved forward+backward of the whole model (buffers, RNG and
     ``.grad`` restored, as for NOTE [calibration]) is then metered at the allocator, the highest
-    peak of all ranks taken, and rank 0 gives the groups the fastest plans whose extra memory,
-    ``sum_g n_g * dk_g + max_g(max(0, dw_g))`` (``dk``, ``dw``: kept and working bytes over those
-    of the metered plan; ``n_g``: the group's calls per step), fits what is left under the budget.
+    peak of all ranks taken, and rank 0 gives the groups the fastest plans whose extra memory
+    bound, ``sum_g n_g * dk_g + max_g(max(0, dw_g))`` (``dk``, ``dw``: kept and working bytes over
+    those of the lowest plan; ``n_g``: the group's calls per step), fits what is left under the
+    budget.  Another metered step checks them: above the budget, the units go back to the plans
+    metered before (with a warning the first time).  The bound is an upper estimate (every unit's
+    extra kept bytes and one unit's working memory at the step's peak at once): where the meter
+    shows less than it, the allowance is scaled by bound / measured and the plans chosen and
+    metered again, up to :data:`MAX_CHOICES` times.  If the lowest plans already measure above
+    the budget, :class:`InfeasibleBudgetError` says so with the measured peak.  These unobserved
+    steps (two to four per new input shape) are the price of a measured, not guessed, remainder.
     gloo (CPU) reduce-scatters a clone of its input on its own thread and frees the clone when that
     thread is done, so whether one unit's gradients are alive twice at the peak is a race (gpt2-tiny:
     6.0 MiB more in some steps than in others of the same plan).  The metered peak leaves those
     clones out and, under gloo, adds one unit's unsharded gradients (:attr:`FsdpRemat.in_flight_bytes`)
     instead: the worst case, every time.
-    A second metered step checks the choice before any caller's step runs it: above the budget,
-    the units go back to the metered plans and a warning says by how much.  If those already
-    measure above the budget, :class:`InfeasibleBudgetError` says so with the measured peak.  Two
-    extra steps per new input shape are the price of a measured, not guessed, remainder.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ log = logging.getLogger(__name__)
 
 # A unit's outputs must not be views (FSDP's pre-backward hook on a view is lost to a caller's in-place op): no watch.
 UNIT_OPTIONS = ExecutionOptions(watch_outputs=False)
+MAX_CHOICES = 3  # plans chosen and metered per new input shape, after the lowest plans' metered step
 GLOO_COPIES = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_")  # ops whose input gloo clones (NOTE [FSDP2 budget])
 
 
@@ -183,16 +187,33 @@ class FsdpRemat:
         if peak > budget:
             raise InfeasibleBudgetError(budget, budget_for_peak(peak), what="FSDP step with every unit at its "
                                         "lowest-peak plan (measured)")
-        if self._choose(new, budget - safety_margin(budget) - peak):
-            peak = self._metered_step(args, kwargs)
-            if peak > budget:
-                log.warning("remat_plugin.fsdp: the units' chosen plans measured %s, %s over the budget of %s; they "
-                            "keep their lowest-peak plans", human_bytes(peak), human_bytes(peak - budget),
-                            human_bytes(budget))
-                for g in new:
-                    g.plan, g.steps = g.lowest, {}
+        self._settle(new, args, kwargs, budget, peak)
         for g in new:
             g.settled = True
+
+    def _settle(self, groups: list[UnitGroup], args: tuple, kwargs: dict, budget: int, lowest_peak: int) -> None:
+        """Choose, meter, and choose again with the bound rescaled by what the meter showed (NOTE [FSDP2 budget])."""
+        room = budget - safety_margin(budget) - lowest_peak  # what the lowest plans leave of the budget
+        allowance = room
+        accepted = {g.key: g.plan for g in groups}
+        for attempt in range(MAX_CHOICES):
+            predicted = self._choose(groups, allowance)
+            if predicted is None:  # the same plans as the last metered ones
+                return
+            peak = self._metered_step(args, kwargs)
+            if peak > budget:
+                say = log.warning if attempt == 0 else log.info
+                say("remat_plugin.fsdp: the units' chosen plans measured %s, %s over the budget of %s; they keep the "
+                    "plans metered before", human_bytes(peak), human_bytes(peak - budget), human_bytes(budget))
+                for g in groups:
+                    if g.plan.schedule != accepted[g.key].schedule:
+                        g.plan, g.steps = accepted[g.key], {}
+                return
+            accepted = {g.key: g.plan for g in groups}
+            grown = room * predicted // max(peak - lowest_peak, 1)  # the bound's extra over the measured one
+            if grown <= allowance * 21 // 20:  # the bound was not loose: nothing more to gain
+                return
+            allowance = grown
 
     def _metered_step(self, args: tuple, kwargs: dict) -> int:
         """One forward+backward of the model on these inputs, unobserved; its allocator peak, highest of all ranks.
@@ -315,25 +336,29 @@ class FsdpRemat:
                 g.steps = {}
             g.lowest = g.plan = chosen[g.key]
 
-    def _choose(self, groups: list[UnitGroup], slack: int) -> bool:
-        """Rank 0 gives the groups their fastest plans for ``slack`` bytes above the metered step, shared by
-        their calls (NOTE [FSDP2 budget])."""
+    def _choose(self, groups: list[UnitGroup], allowance: int) -> int | None:
+        """Rank 0 gives the groups their fastest plans whose bound, ``sum_g n_g * dk_g + max_g(max(0, dw_g))``,
+        is at most ``allowance``, shared by their calls (NOTE [FSDP2 budget]); the bound of the plans chosen,
+        or None if they are those the groups run already."""
 
-        def choose() -> dict[str, Plan]:
+        def choose() -> tuple[dict[str, Plan], int]:
             calls = sum(g.calls for g in groups)
-            chosen = {}
+            chosen, extra_kept, extra_work = {}, 0, 0
             for g in groups:
                 problem, constants = self._problems[g.key]
-                plan = chained_plan(problem, constants, g.calls, slack * g.calls // calls, g.lowest,
+                plan = chained_plan(problem, constants, g.calls, allowance * g.calls // calls, g.lowest,
                                     self.ilp_time_limit_s, self.caches.planners)
                 chosen[g.key] = dataclasses.replace(plan, graph_key=g.lowest.graph_key)
-            return chosen
+                low, new = (simulate(problem, Schedule(p.schedule)) for p in (g.lowest, plan))
+                extra_kept += g.calls * (new.kept_bytes - low.kept_bytes)
+                extra_work = max(extra_work, (new.peak_bytes - new.kept_bytes) - (low.peak_bytes - low.kept_bytes))
+            return chosen, extra_kept + extra_work
 
-        chosen = dist.from_rank_zero(choose, "choosing the FSDP units' plans")
-        changed = [g for g in groups if chosen[g.key].schedule != g.lowest.schedule]
+        chosen, bound = dist.from_rank_zero(choose, "choosing the FSDP units' plans")
+        changed = [g for g in groups if chosen[g.key].schedule != g.plan.schedule]
         for g in changed:
             g.plan, g.steps = chosen[g.key], {}
-        return bool(changed)
+        return bound if changed else None
 
 
 def _tensor_leaves(output: Any) -> list[torch.Tensor]:

@@ -118,3 +118,54 @@ def test_planning_does_not_reset_the_callers_peak_statistics():
     rm = rematerialize(model, (torch.randn(64, 256, device="cuda"),), {}, budget=10**12)
     rm(torch.randn(64, 256, device="cuda")).sum().backward()
     assert torch.cuda.max_memory_allocated() >= before
+
+
+def test_fsdp2_units_on_one_gpu_exact_within_budget():
+    """FSDP2 (fully_shard over a one-rank NCCL group) with planned units: float64 gradients bitwise those of
+    plain FSDP2, each step's ``max_memory_allocated`` rise within the budget, half-way between the lowest
+    plans' metered peak and plain FSDP2's.  (Two ranks need two GPUs: ``python -m remat_plugin.bench fsdp
+    --device cuda`` there.)"""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        runs = {}
+        for remat in (False, True):
+            bench = build("gpt2-tiny", n_layer=2, batch_size=4, seq_len=128, dtype=torch.float64, device="cuda")
+            for layer in bench.layers:
+                fully_shard(layer)
+            fully_shard(bench.module)
+            batch = bench.make_batch(0)
+            if remat:
+                plain_peak = max(runs[False]["peaks"])
+                plan = rematerialize_fsdp(bench.module, 10 * plain_peak)  # the lowest plans' step, metered
+                _step(bench.module, bench, batch)
+                _step(bench.module, bench, batch)
+                budget = (plan.measured_peaks[0] + plain_peak) // 2
+                plan.remove()
+                plan = rematerialize_fsdp(bench.module, budget)
+            grads, peaks = [], []
+            for _ in range(4):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                loss = _step(bench.module, bench, batch)
+                torch.cuda.synchronize()
+                peaks.append(torch.cuda.max_memory_allocated() - start)
+                grads.append([loss] + [p.grad.full_tensor().clone() for p in bench.module.parameters()])
+            runs[remat] = {"grads": grads, "peaks": peaks[2:], "budget": budget if remat else None}
+        for a, b in zip(runs[False]["grads"], runs[True]["grads"]):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert max(runs[True]["peaks"]) <= runs[True]["budget"]
+    finally:
+        dist.destroy_process_group()

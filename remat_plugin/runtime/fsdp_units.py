@@ -30,8 +30,9 @@ NOTE [FSDP2 budget]
     budget.  Another metered step checks them: above the budget, the units go back to the plans
     metered before (with a warning the first time).  The bound is an upper estimate (every unit's
     extra kept bytes and one unit's working memory at the step's peak at once): where the meter
-    shows less than it, the allowance is scaled by bound / measured and the plans chosen and
-    metered again, up to :data:`MAX_CHOICES` times.  If the lowest plans already measure above
+    shows less than it, the allowance is scaled by bound / measured (at most doubled) and the plans
+    chosen and metered again, up to :data:`MAX_CHOICES` times.  A group's faster plan may go to
+    only its last units, so a coarse set of plans still spends the allowance.  If the lowest plans already measure above
     the budget, :class:`InfeasibleBudgetError` says so with the measured peak.  These unobserved
     steps (two to four per new input shape) are the price of a measured, not guessed, remainder.
     gloo (CPU) reduce-scatters a clone of its input on its own thread and frees the clone when that
@@ -106,10 +107,20 @@ class UnitGroup:
     key: str
     floor: Plan  # the unit's lowest-peak plan alone: what the first step runs
     lowest: Plan  # lowest in ``calls * kept + (peak - kept)`` (:func:`chained_plan`): what a metered step starts from
-    plan: Plan  # what the units run now
-    settled: bool = False  # its plan chosen for a metered step (NOTE [FSDP2 budget])
-    steps: dict[int, PlannedStep] = field(default_factory=dict)  # unit index -> its step of ``plan``
+    plan: Plan  # what the units in ``faster`` run; the others run ``lowest``
+    faster: frozenset[int] = frozenset()  # unit indices running ``plan``
+    settled: bool = False  # its plans chosen for a metered step (NOTE [FSDP2 budget])
+    steps: dict[int, PlannedStep] = field(default_factory=dict)  # unit index -> its step of its plan
+    units: list[int] = field(default_factory=list)  # unit indices called, in the order first seen
     calls: int = 0  # calls in the step under way
+    per_step: int = 0  # calls in the last whole step
+
+    def plan_of(self, index: int) -> Plan:
+        return self.plan if index in self.faster else self.lowest
+
+    def run(self, plan: Plan, count: int) -> None:
+        """``plan`` for the last ``count`` units in module order, ``lowest`` for the others."""
+        self.plan, self.faster = plan, frozenset(sorted(self.units)[len(self.units) - count:]) if count else frozenset()
 
 
 class FsdpRemat:
@@ -174,6 +185,15 @@ class FsdpRemat:
         """Before a training step, settle the plans of groups the last step found (NOTE [FSDP2 budget])."""
         if self._metering or not (module.training and torch.is_grad_enabled()):
             return
+        for g in self.groups.values():
+            g.per_step, g.calls = (g.calls or g.per_step), 0
+        try:
+            self._settle_new(args, kwargs)
+        finally:
+            for g in self.groups.values():
+                g.calls = 0
+
+    def _settle_new(self, args: tuple, kwargs: dict) -> None:
         new = [g for g in self.groups.values() if not g.settled]
         if not new:  # the same on every rank: every rank called the same units
             return
@@ -195,7 +215,7 @@ class FsdpRemat:
         """Choose, meter, and choose again with the bound rescaled by what the meter showed (NOTE [FSDP2 budget])."""
         room = budget - safety_margin(budget) - lowest_peak  # what the lowest plans leave of the budget
         allowance = room
-        accepted = {g.key: g.plan for g in groups}
+        accepted = {g.key: (g.plan, len(g.faster)) for g in groups}
         for attempt in range(MAX_CHOICES):
             predicted = self._choose(groups, allowance)
             if predicted is None:  # the same plans as the last metered ones
@@ -206,11 +226,11 @@ class FsdpRemat:
                 say("remat_plugin.fsdp: the units' chosen plans measured %s, %s over the budget of %s; they keep the "
                     "plans metered before", human_bytes(peak), human_bytes(peak - budget), human_bytes(budget))
                 for g in groups:
-                    if g.plan.schedule != accepted[g.key].schedule:
-                        g.plan, g.steps = accepted[g.key], {}
+                    g.run(*accepted[g.key])
                 return
-            accepted = {g.key: g.plan for g in groups}
-            grown = room * predicted // max(peak - lowest_peak, 1)  # the bound's extra over the measured one
+            accepted = {g.key: (g.plan, len(g.faster)) for g in groups}
+            # the bound over what the meter showed, at most doubling the allowance per round
+            grown = min(2 * allowance, room * predicted // max(peak - lowest_peak, 1))
             if grown <= allowance * 21 // 20:  # the bound was not loose: nothing more to gain
                 return
             allowance = grown
@@ -292,9 +312,13 @@ class FsdpRemat:
         self._device = call.device
         group = self.groups.get(call.key) or self._new_group(body, call)
         group.calls += 1
+        if index not in group.units:
+            group.units.append(index)
+        plan = group.plan_of(index)
         step = group.steps.get(index)
-        if step is None or step.tensor_ids != call.tensor_ids:  # FSDP registered other unsharded Parameters
-            step = group.steps[index] = replay_step(body, call, group.plan, group.plan.budget_bytes, UNIT_OPTIONS)
+        # FSDP registered other unsharded Parameters, or the unit's plan changed
+        if step is None or step.tensor_ids != call.tensor_ids or step.plan is None or step.plan.schedule != plan.schedule:
+            step = group.steps[index] = replay_step(body, call, plan, plan.budget_bytes, UNIT_OPTIONS)
         return step(call.args, call.kwargs)
 
     # --- planning -------------------------------------------------------------------------
@@ -325,39 +349,52 @@ class FsdpRemat:
             chosen = {}
             for g in groups:
                 problem, constants = self._problems[g.key]
-                plan = chained_plan(problem, constants, max(g.calls, 1), ilp_time_limit_s=self.ilp_time_limit_s,
+                plan = chained_plan(problem, constants, max(g.per_step, 1), ilp_time_limit_s=self.ilp_time_limit_s,
                                     planners=self.caches.planners)
                 chosen[g.key] = dataclasses.replace(plan, graph_key=g.floor.graph_key)
             return chosen
 
         chosen = dist.from_rank_zero(lowest, "choosing the FSDP units' lowest plans")
         for g in groups:
-            if chosen[g.key].schedule != g.plan.schedule:
-                g.steps = {}
-            g.lowest = g.plan = chosen[g.key]
+            g.lowest = chosen[g.key]
+            g.run(g.lowest, 0)
 
     def _choose(self, groups: list[UnitGroup], allowance: int) -> int | None:
         """Rank 0 gives the groups their fastest plans whose bound, ``sum_g n_g * dk_g + max_g(max(0, dw_g))``,
         is at most ``allowance``, shared by their calls (NOTE [FSDP2 budget]); the bound of the plans chosen,
-        or None if they are those the groups run already."""
+        or None if they are those the groups run already.  A faster plan may go to only some of a group's
+        units (the last ones): ``n_g`` is then their calls, so a coarse menu still spends the allowance."""
 
-        def choose() -> tuple[dict[str, Plan], int]:
-            calls = sum(g.calls for g in groups)
+        def choose() -> tuple[dict[str, tuple[Plan, int]], int]:
+            calls = sum(g.per_step for g in groups)
             chosen, extra_kept, extra_work = {}, 0, 0
             for g in groups:
                 problem, constants = self._problems[g.key]
-                plan = chained_plan(problem, constants, g.calls, allowance * g.calls // calls, g.lowest,
-                                    self.ilp_time_limit_s, self.caches.planners)
-                chosen[g.key] = dataclasses.replace(plan, graph_key=g.lowest.graph_key)
-                low, new = (simulate(problem, Schedule(p.schedule)) for p in (g.lowest, plan))
-                extra_kept += g.calls * (new.kept_bytes - low.kept_bytes)
-                extra_work = max(extra_work, (new.peak_bytes - new.kept_bytes) - (low.peak_bytes - low.kept_bytes))
+                low = simulate(problem, Schedule(g.lowest.schedule))
+                n = len(g.units)
+                each = max(1, g.per_step // max(n, 1))  # calls per unit
+                best: tuple[float, Plan, int, Any] = (n * each * g.lowest.predicted_time_ms, g.lowest, 0, low)
+                for m in sorted({n, -(-3 * n // 4), -(-n // 2), -(-n // 4), 1}, reverse=True):
+                    plan = chained_plan(problem, constants, m * each, allowance * g.per_step // calls, g.lowest,
+                                        self.ilp_time_limit_s, self.caches.planners)
+                    ms = each * (m * plan.predicted_time_ms + (n - m) * g.lowest.predicted_time_ms)
+                    if ms < best[0]:
+                        best = (ms, dataclasses.replace(plan, graph_key=g.lowest.graph_key), m,
+                                simulate(problem, Schedule(plan.schedule)))
+                _, plan, m, sim = best
+                chosen[g.key] = (plan, m)
+                extra_kept += m * each * (sim.kept_bytes - low.kept_bytes)
+                if m:
+                    extra_work = max(extra_work, (sim.peak_bytes - sim.kept_bytes) - (low.peak_bytes - low.kept_bytes))
             return chosen, extra_kept + extra_work
 
         chosen, bound = dist.from_rank_zero(choose, "choosing the FSDP units' plans")
-        changed = [g for g in groups if chosen[g.key].schedule != g.plan.schedule]
-        for g in changed:
-            g.plan, g.steps = chosen[g.key], {}
+        changed = False
+        for g in groups:
+            plan, m = chosen[g.key]
+            if (plan.schedule, m) != (g.plan.schedule, len(g.faster)):
+                g.run(plan, m)
+                changed = True
         return bound if changed else None
 
 

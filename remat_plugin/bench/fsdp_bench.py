@@ -1,7 +1,7 @@
 """FSDP2 with planned rematerialization against plain FSDP2 and FSDP2 + per-layer checkpointing.
 
     python -m remat_plugin.bench fsdp [--model gpt2-tiny] [--layers 4] [--batch-size 4] [--seq-len 128]
-        [--budgets 0.6,0.7,0.8,0.9,1.0] [--dtype float32] [--steps 4] [--pairs 7] [--json results/fsdp_cpu.json]
+        [--budgets 0.6,0.7,0.8,0.9,1.0] [--dtype float32] [--steps 6] [--pairs 7] [--json results/fsdp_cpu.json]
 
 ``torchrun --nproc_per_node 2`` (gloo on CPU, NCCL on CUDA) runs this module as its worker: every
 layer and then the model are ``fully_shard``-ed.  Three set-ups train the same weights on the same
@@ -10,7 +10,8 @@ batches (each rank its own): plain FSDP2, FSDP2 with HF's per-layer checkpointin
 budget, a share of plain FSDP2's measured peak, and at per-layer checkpointing's measured peak.
 Per set-up: losses and gradients (gathered from the shards) against plain FSDP2's on every step
 (bitwise), each rank's allocator peak over one forward+backward (the profiler's memory events on
-CPU, ``max_memory_allocated`` on CUDA) after the first steps, the highest of the ranks reported.  At
+CPU, ``max_memory_allocated`` on CUDA) on every step after the second, the highest of the steps and
+ranks reported (gloo's reduce-scatter clone is there in some steps and not others).  At
 per-layer checkpointing's peak the two step times are interleaved over ``pairs`` pairs (medians).
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ NOTE [FSDP2 units]
     again), and FSDP's all-gathers, reduce-scatters and their order are those of the run without
     us.  Outside the leaf units (embeddings, the head, the loss) the model runs as written.
     Leaf units of one class called with one input signature form a group: one problem, solved
-    once (on rank 0), one plan replayed by every unit of the group on every rank.
+    once (on rank 0), its plans (NOTE [FSDP2 budget]) replayed by the same units on every rank.
 
 NOTE [FSDP2 budget]
     The budget is per rank: what one forward+backward may add to what that rank has allocated.
@@ -102,7 +102,8 @@ class UnitBody(nn.Module):
 
 @dataclass
 class UnitGroup:
-    """Leaf units of one class called with one input signature: one problem, one plan for all of them."""
+    """Leaf units of one class called with one input signature: one problem; its lowest plan, and a faster
+    one for its last units when the budget leaves room."""
 
     key: str
     floor: Plan  # the unit's lowest-peak plan alone: what the first step runs

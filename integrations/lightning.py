@@ -216,7 +216,7 @@ class AutoRemat(pl.Callback):
             if value:
                 raise RematError(f"AutoRemat: {option}={value!r} is not supported with sharded (fully_shard) "
                                  "layers; remove the option")
-        if not self._avoid_double_checkpointing(trainer, target):
+        if not self._avoid_double_checkpointing(target):
             self.enabled = False
             return
         self.fsdp = FsdpRemat(target, self.config.budget, ilp_time_limit_s=self.config.ilp_time_limit_s)
@@ -235,7 +235,7 @@ class AutoRemat(pl.Callback):
         shown = f"{type(pl_module).__name__}.{name}" if name else type(pl_module).__name__
         self._info(f"AutoRemat: rewriting {shown} ({type(target).__name__}, "
                    f"{sum(p.numel() for p in target.parameters()):,} parameters), budget {_shown(self.config.budget)}")
-        if not self._avoid_double_checkpointing(trainer, target):
+        if not self._avoid_double_checkpointing(target):
             self.enabled = False
             return
         self.session = RematSession(target, self.config, optimizers=lambda: trainer.optimizers,
@@ -256,15 +256,13 @@ class AutoRemat(pl.Callback):
             self.fsdp.remove()
             self.fsdp = None
 
-    def _avoid_double_checkpointing(self, trainer: pl.Trainer, target: nn.Module) -> bool:
-        """Our plan replaces HF gradient checkpointing; wrappers and FSDP policies we cannot undo turn us off."""
+    def _avoid_double_checkpointing(self, target: nn.Module) -> bool:
+        """Our plan replaces HF gradient checkpointing; ``CheckpointWrapper`` modules, which we cannot undo, turn us off."""
         wrapped = settle_checkpointing(target, "AutoRemat", self._info, rank_zero_warn)
-        policy = getattr(trainer.strategy, "_activation_checkpointing_kwargs", None)
-        if wrapped or policy:
-            what = f"CheckpointWrapper modules ({', '.join(wrapped[:3])})" if wrapped else "the FSDP " \
-                "activation_checkpointing_policy"
-            rank_zero_warn(f"AutoRemat: the model already uses {what}; AutoRemat stays off to avoid checkpointing "
-                           "twice. Remove that to let AutoRemat plan instead.")
+        if wrapped:
+            rank_zero_warn(f"AutoRemat: the model already uses CheckpointWrapper modules ({', '.join(wrapped[:3])}); "
+                           "AutoRemat stays off to avoid checkpointing twice. Remove them to let AutoRemat plan "
+                           "instead.")
             return False
         return True
 

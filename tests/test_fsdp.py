@@ -90,7 +90,7 @@ def test_accelerate_launch_with_remat_budget_plans_the_sharded_layers(tmp_path):
     """``REMAT_BUDGET=... accelerate launch`` of a fully_shard-ed model."""
     def run(out: Path, budget: int | None) -> list[dict]:
         return _launched([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", str(ACCELERATE_SCRIPT)], out,
+                          "--num_machines", "1", "--main_process_port", str(_free_port()), str(ACCELERATE_SCRIPT)], out,
                          {"REMAT_BUDGET": str(budget)} if budget else {})
     _same_training_within_budget(run, tmp_path)
 
@@ -106,12 +106,15 @@ def test_lightning_refuses_fsdp1():
 
 
 # --- one rank, in this process --------------------------------------------------------------------------
-@pytest.fixture
-def one_rank():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank():
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     yield
     dist.destroy_process_group()

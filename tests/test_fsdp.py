@@ -173,6 +173,37 @@ def test_an_output_held_through_backward_re_settles_the_plans(one_rank, caplog):
     assert len(remat.measured_peaks) > metered and all(g.settled for g in remat.groups.values())
 
 
+def test_an_encoder_decoder_plans_one_group_per_layer_kind_bitwise(one_rank, caplog):
+    """t5-tiny, every block sharded: encoder and decoder blocks (and each stack's first, which holds the position
+    bias) are separate groups, all settled; float64 losses and gathered gradients bitwise plain FSDP2's."""
+    from torch.distributed.fsdp import fully_shard
+
+    from remat_plugin.bench.models import build
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    runs = {}
+    for planned in (False, True):
+        bench = build("t5-tiny", dtype=torch.float64)
+        for layer in bench.layers:
+            fully_shard(layer)
+        fully_shard(bench.module)
+        remat = rematerialize_fsdp(bench.module, 10 << 30) if planned else None
+        args, kwargs = bench.make_batch(0)
+        steps = []
+        with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+            for k in range(4):
+                bench.module.zero_grad(set_to_none=True)
+                torch.manual_seed(k)
+                loss = bench.loss(bench.module(*args, **kwargs))
+                loss.backward()
+                steps.append([loss.detach()] + [p.grad.full_tensor() for p in bench.module.parameters()])
+        runs[planned] = steps
+    assert remat is not None and len(remat.groups) >= 2 and all(g.settled for g in remat.groups.values())
+    assert "a block holds more than" not in caplog.text  # a layer is one block by nature: not warned about
+    for a, b in zip(runs[False], runs[True]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_remove_restores_the_model(one_rank):
     from remat_plugin.runtime.fsdp_units import leaf_units, rematerialize_fsdp
 

@@ -226,13 +226,11 @@ def _side_charges(problem: Problem, block_of: dict[str, int], chain_values: set[
 
 def glued_values(problem: Problem, constants: set[str], blocks: list[Block], top: int = 4) -> list[str]:
     """The values alive across most of a block that holds more than :data:`GLUED_SHARE` of the forward
-    ops (named with the forward positions they live between), or [] when no block is that big.  A graph of
-    fewer than 60 forward ops is about one layer (an FSDP unit, a small MLP): one block is no surprise there,
-    and its ILP is small."""
+    ops (named with the forward positions they live between), or [] when no block is that big."""
     life = _Lifetimes.of(problem, constants)
     n = len(life.fwd)
     biggest = max(blocks, key=lambda b: len(b.fwd_ops))
-    if n < 60 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
+    if n < 20 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
         return []
     inside = set(biggest.fwd_ops)
     crossing = [c for o, c in zip(life.fwd, life.crossing(_side_values(life))) if o.name in inside]

@@ -43,11 +43,12 @@ NOTE [FSDP2 budget]
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -328,7 +329,8 @@ class FsdpRemat:
             problem, constants, graph_key = captured_problem(body, call.args, call.kwargs,
                                                              op_timings=self.caches.op_timings)
             self._problems[call.key] = (problem, constants)
-            return dataclasses.replace(self._solve(problem, constants, 1), graph_key=graph_key)
+            with _one_layer_is_one_block():
+                return dataclasses.replace(self._solve(problem, constants, 1), graph_key=graph_key)
 
         lowest = dist.from_rank_zero(lowest_plan, f"planning the FSDP unit {type(body.unit).__name__}")
         group = self.groups[call.key] = UnitGroup(call.key, lowest, lowest, lowest)
@@ -397,6 +399,26 @@ class FsdpRemat:
                 g.run(plan, m)
                 changed = True
         return bound if changed else None
+
+
+class _GlueNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "a block holds more than" not in record.getMessage():
+            return True
+        log.debug("remat_plugin.fsdp: %s", record.getMessage())
+        return False
+
+
+@contextlib.contextmanager
+def _one_layer_is_one_block() -> Iterator[None]:
+    """The planner warns when one block holds most of a graph (a model glued together); a unit is one layer,
+    so that is no news there: said at DEBUG instead."""
+    menus_log, note = logging.getLogger("remat_plugin.planning.menus"), _GlueNote()
+    menus_log.addFilter(note)
+    try:
+        yield
+    finally:
+        menus_log.removeFilter(note)
 
 
 def _tensor_leaves(output: Any) -> list[torch.Tensor]:

@@ -141,25 +141,8 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0):
             planner.lowest = found
     if planner.lowest is None:
         return None
-    deadline = time.perf_counter() + time_budget_s
-    best = planner.lowest
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
-        chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
-        for k in planner.blocks_at_peak(best[2], best[1]):
-            o = chosen[k]
-            for i in range(len(planner.menus[k])):
-                if i == o:
-                    continue
-                cp = _swap_option(best[2], k, i)
-                sched = planner.assemble(cp)
-                sim = simulate(planner.problem, sched)
-                if sim.peak_bytes < best[1].peak_bytes:
-                    best, improved = (sched, sim, cp), True
-                    break
-            if time.perf_counter() > deadline:
-                break
+    best = _descend(planner, planner.lowest, lambda sim: sim.peak_bytes,
+                    lambda b: planner.blocks_at_peak(b[2], b[1]), time_budget_s)
     planner.lowest = best
     return best
 
@@ -181,22 +164,28 @@ def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> 
     if not starts:
         return None
     best = min(starts, key=lambda c: cost(c[1]))
+    return _descend(planner, best, cost, lambda b: [a.block for a in b[2].actions if a.kind == "bwd"], time_budget_s)
+
+
+def _descend(planner: Planner, best, cost: Callable[[Simulation], object], blocks: Callable, time_budget_s: float):
+    """Single-block option swaps judged by the simulator, kept while ``cost`` falls: each pass tries every
+    option of each of ``blocks(best)`` and moves on to the next block after a gain, until a pass gains nothing."""
     deadline = time.perf_counter() + time_budget_s
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
         chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
-        for k, o in chosen.items():
+        for k in blocks(best):
             for i in range(len(planner.menus[k])):
-                if i == o:
+                if i == chosen[k]:
                     continue
                 cp = _swap_option(best[2], k, i)
                 sched = planner.assemble(cp)
                 sim = simulate(planner.problem, sched)
-                if cost(sim) < cost(best[1]):
+                if cost(sim) < cost(best[1]):  # type: ignore[operator]
                     best, improved = (sched, sim, cp), True
                     break
-            if improved or time.perf_counter() > deadline:
+            if time.perf_counter() > deadline:
                 break
     return best
 

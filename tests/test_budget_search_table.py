@@ -1,4 +1,4 @@
-"""Budget search (fastest_fitting, refine, hill_climb) and make_plan on a 4-layer chain with hand-known optima."""
+"""Budget search (fastest_fitting, hill_climb) and make_plan on a 4-layer chain with hand-known optima."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +9,7 @@ from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.ir.plan import budget_for_peak
 from remat_plugin.ir.problem import Op, Problem, Schedule, Value
 from remat_plugin.ir.simulate import simulate
-from remat_plugin.planning.budget_search import fastest_fitting, hill_climb, refine
+from remat_plugin.planning.budget_search import fastest_fitting, hill_climb
 from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.planning.menus import Planner
 
@@ -56,10 +56,10 @@ def planner() -> Planner:
 
 
 def search(pl: Planner, budget: int):
-    """The pipeline make_plan runs: fastest_fitting, then refine, then hill_climb."""
+    """The pipeline make_plan runs: fastest_fitting, then hill_climb."""
     found = fastest_fitting(pl, budget)
     assert found is not None, f"nothing fits {budget / MiB} MiB"
-    return hill_climb(pl, budget, refine(pl, budget, found))
+    return hill_climb(pl, budget, found)
 
 
 def test_hand_numbers_of_the_problem() -> None:
@@ -131,18 +131,17 @@ POLISH_CASES = [(5, 5), (5, 6), (5, 8), (5, 10), (6, 6), (6, 9), (7, 7), (8, 10)
 
 
 @pytest.mark.parametrize(("start_mib", "budget_mib"), POLISH_CASES)
-def test_refine_and_hill_climb_never_worse(start_mib: int, budget_mib: int) -> None:
-    """refine and hill_climb return a candidate no slower than their input whose simulated peak fits."""
+def test_hill_climb_never_worse(start_mib: int, budget_mib: int) -> None:
+    """hill_climb returns a candidate no slower than its input whose simulated peak fits."""
     p = chain4()
     pl = planner()
     start = fastest_fitting(pl, start_mib * MiB)
     assert start is not None and start[1].peak_bytes <= budget_mib * MiB
-    for polish in (refine, hill_climb):
-        out = polish(pl, budget_mib * MiB, start)
-        sim = simulate(p, out[0])
-        assert sim == out[1]
-        assert sim.peak_bytes <= budget_mib * MiB
-        assert sim.time_ms <= start[1].time_ms + 1e-9
+    out = hill_climb(pl, budget_mib * MiB, start)
+    sim = simulate(p, out[0])
+    assert sim == out[1]
+    assert sim.peak_bytes <= budget_mib * MiB
+    assert sim.time_ms <= start[1].time_ms + 1e-9
 
 
 def test_hill_climb_improves_floor_plan_with_room() -> None:
@@ -221,7 +220,7 @@ def test_menus_carry_over_to_another_batch_size() -> None:
     assert warm.n_transferred == warm.n_unique > 0
     cold_plan, _ = make_plan(big, set(), 2 * budget_for_peak(7 * MiB), ILP_S, planners=cold)
     fresh = cold.prepared(big, set(), ILP_S)
-    assert fresh.n_transferred == 0 and len(fresh.ilps) == fresh.n_unique
+    assert fresh.n_transferred == 0 and len(fresh.solved_keys) == fresh.n_unique
 
     def costs(menu):
         return sorted((o.kept_bytes, o.fwd_peak_bytes, o.bwd_peak_bytes, round(o.fwd_ms + o.bwd_ms, 9)) for o in menu)
@@ -246,4 +245,4 @@ def test_menus_do_not_carry_over_to_another_structure() -> None:
     planner = cache.prepared(other, set(), ILP_S)
     changed = [b for b in planner.blocks if "relu_1" in b.problem.live_out]
     assert changed and planner.n_transferred < planner.n_unique
-    assert all(b.key in planner.ilps for b in changed)
+    assert all(b.key in planner.solved_keys for b in changed)

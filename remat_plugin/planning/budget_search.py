@@ -1,16 +1,13 @@
 """Searching the chain DP's budget knob and polishing its plan, with the simulator as judge.
 
 The chain DP rounds sizes up and sees blocks alone, so its own budget is only a knob:
-these functions turn it, add menu options where the plan leaves room, swap single
-blocks' options, and weigh the classical schedules, keeping the fastest schedule whose
-simulated peak fits.
+these functions turn it, swap single blocks' options, and weigh the classical schedules,
+keeping the fastest schedule whose simulated peak fits.
 """
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
@@ -46,44 +43,6 @@ def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simu
                 best = found
             break
         dp_budget -= max(found[1].peak_bytes - budget_bytes, budget_bytes // 100)
-    return best
-
-
-def refine(planner: Planner, budget_bytes: int, best, rounds: int = 2):
-    """Spend the budget the menus' grid left unused: solve used blocks' ILPs at their share of the slack.
-
-    Menus are solved on a coarse (peak, kept) grid, so the chosen options usually leave
-    part of the budget idle.  Each round re-solves every block type the plan recomputes,
-    at its option's budgets plus an equal share of the slack, adds what it finds to the
-    menus and runs the chain DP again; the simulator still has the last word.
-    """
-    for _ in range(rounds):
-        slack = budget_bytes - best[1].peak_bytes
-        chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
-        used: dict[tuple, list[int]] = {}
-        for k, o in chosen.items():
-            if planner.menus[k][o].bwd_ms > min(x.bwd_ms for x in planner.menus[k]):
-                used.setdefault(planner.blocks[k].key, []).append(k)
-        if slack <= 0 or not used:
-            return best
-        requests = []
-        for key, ks in used.items():
-            cur = planner.menus[ks[0]][chosen[ks[0]]]
-            share = slack // len(ks)
-            requests.append((key, cur, max(cur.fwd_peak_bytes, cur.bwd_peak_bytes) + share, cur.kept_bytes + share))
-        # HiGHS releases the GIL while it solves: block types are re-solved side by side.
-        with ThreadPoolExecutor(max_workers=max(1, min(len(requests), os.cpu_count() or 1, 4))) as pool:
-            answers = list(pool.map(lambda r: planner.solve_block(r[0], r[2], r[3]), requests))
-        added = False
-        for (key, cur, _, _), opt in zip(requests, answers):
-            if opt is not None and opt.bwd_ms < cur.bwd_ms:
-                planner.add_option(planner.first_of[key], opt)
-                added = True
-        if not added:
-            return best
-        found = fastest_fitting(planner, budget_bytes)
-        if found is not None and found[1].time_ms < best[1].time_ms:
-            best = found
     return best
 
 

@@ -23,7 +23,6 @@ from remat_plugin.planning.budget_search import (
     hill_climb,
     lowest_chained,
     lowest_peak,
-    refine,
 )
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S, Planner, kept_reads
 from remat_plugin.planning.solvers.chain import ChainPlan
@@ -121,7 +120,7 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     else:
         chosen = fastest_fitting(planner, budget_bytes)
         if chosen is not None:
-            chosen = hill_climb(planner, budget_bytes, refine(planner, budget_bytes, chosen))
+            chosen = hill_climb(planner, budget_bytes, chosen)
         if floor is not None and floor[1].peak_bytes <= budget_bytes:
             # The climb from the lowest-peak schedule can end faster than the one from the DP's pick
             # (the DP rounds sizes; each climb stops at a local optimum).

@@ -22,7 +22,8 @@ from remat_plugin.planning.blocks import (
 )
 from remat_plugin.planning.solvers.chain import ChainBlock, ChainOption, ChainPlan, min_feasible_budget, solve_chain
 from remat_plugin.planning.solvers.greedy_menu import greedy_menu
-from remat_plugin.planning.solvers.ilp import BlockIlp, BlockOption, block_menu, block_option, pareto, solve_schedule
+from remat_plugin.planning.solvers.ilp import BlockOption, block_menu, block_option, pareto
+from remat_plugin.planning.solvers.kept_paths import kept_path_menu
 
 log = logging.getLogger(__name__)
 
@@ -34,19 +35,14 @@ log = logging.getLogger(__name__)
 MAX_ILP_FWD_OPS = 120
 
 # Each block ILP solve's time cap.  Solves that find no integer solution fall back to a rounded LP
-# relaxation (checked by the simulator); on llama-tiny's blocks 0.25 s and 0.5 s give plans of the same
-# predicted time within run-to-run noise, and 0.25 s plans 4 layers cold in under 8 s instead of 10-12 s.
+# relaxation (checked by the simulator).  A block's menu solves its ILP twice (its least peak, then the least
+# recompute there); the rest of the menu comes from kept paths (NOTE [kept paths]).
 DEFAULT_ILP_TIME_LIMIT_S = 0.25
 
 
 def _moved(option: BlockOption, source: Block, target: Block) -> BlockOption:
     """``option`` of ``source`` as an option of the identical block ``target`` (same costs, its op names)."""
     return replace(option, schedule=rename_schedule(option.schedule, source.problem, target.problem))
-
-
-def _menu_grid(n_ops: int) -> int:
-    """Budget grid points per axis: small blocks solve fast, so they get finer menus."""
-    return 5 if n_ops <= 40 else 4 if n_ops <= 80 else 3
 
 
 @dataclass
@@ -62,12 +58,12 @@ class Planner:
     chain: list[ChainBlock] = field(default_factory=list)
     n_unique: int = 0
     first_of: dict[tuple, Block] = field(default_factory=dict)  # block key -> the block its menu was solved on
-    ilps: dict[tuple, BlockIlp] = field(default_factory=dict)  # block key -> its ILP model, for re-solving
     greedy_blocks: list[int] = field(default_factory=list)  # blocks too big for the ILP (NOTE [big blocks])
     lowest: tuple[Schedule, Simulation, ChainPlan] | None = None  # see budget_search.lowest_peak
     # Menus solved for other problems, by block structure (NOTE [menus across shapes]); shared by a PlannerCache.
     solved_elsewhere: dict[tuple, tuple[Block, tuple[BlockOption, ...]]] | None = None
     n_transferred: int = 0  # unique blocks whose menu came from solved_elsewhere
+    solved_keys: set[tuple] = field(default_factory=set)  # unique blocks whose menu was solved here
     chosen: list[tuple[Schedule, Simulation, ChainPlan]] = field(default_factory=list)  # plans made, see remember
     notes: list[str] = field(default_factory=list)  # for Plan.notes
 
@@ -81,6 +77,7 @@ class Planner:
         elsewhere = self.solved_elsewhere if self.solved_elsewhere is not None else {}
         known = {key: elsewhere.get(b.structure) for key, b in first_of.items()}
         self.n_transferred = sum(k is not None for k in known.values())
+        self.solved_keys = {key for key, k in known.items() if k is None}
 
         def menu_of(b: Block) -> tuple[BlockOption, ...]:
             source = known[b.key]
@@ -88,9 +85,9 @@ class Planner:
                 return transferred_menu(*source, b)
             if len(b.fwd_ops) > MAX_ILP_FWD_OPS:
                 return greedy_menu(b.problem)
-            grid = _menu_grid(len(b.problem.ops))
-            ilp = self.ilps[b.key] = BlockIlp.build(b.problem)
-            return block_menu(b.problem, n_peak=grid, n_kept=grid, time_limit_s=self.ilp_time_limit_s, ilp=ilp)
+            lowest = block_menu(b.problem, n_peak=1, n_kept=1, time_limit_s=self.ilp_time_limit_s,
+                                extremes=("kept", "peak"))
+            return pareto([*kept_path_menu(b.problem), *lowest])
 
         # HiGHS releases the GIL while it solves: unique blocks' menus are solved side by side, the
         # biggest ILPs first (their variables grow with forward x backward ops), so that no worker is
@@ -124,16 +121,6 @@ class Planner:
                               f"keep it from being cut: {', '.join(glue)}")
         for note in self.notes:
             log.warning("remat_plugin: %s", note)
-
-    def solve_block(self, key: tuple, peak_bytes: int, kept_bytes: int) -> BlockOption | None:
-        """The least-recompute option of block type ``key`` within the budgets (its ILP, built once), or None."""
-        block, ilp = self.first_of[key], self.ilps.get(key)
-        if ilp is None:
-            if len(block.fwd_ops) > MAX_ILP_FWD_OPS:
-                return None  # a greedy block: no ILP to refine with
-            ilp = self.ilps[key] = BlockIlp.build(block.problem)  # its menu was transferred: built when first needed
-        sched = solve_schedule(block.problem, peak_bytes, kept_bytes, self.ilp_time_limit_s, ilp=ilp)
-        return None if sched is None else block_option(block.problem, sched)
 
     def _chain_block(self, b: Block, menu: tuple[BlockOption, ...]) -> ChainBlock:
         size = (lambda v: self.problem.value(v).size_bytes if v else 0)
@@ -238,14 +225,13 @@ class Planner:
 #     before (at another batch size, sequence length, or with another output dropped) takes that
 #     menu's schedules, each re-costed by the simulator at its own sizes, instead of solving its ILPs.
 #     All activation sizes scale together with the batch, so the menu stays near the one its ILPs
-#     would give; where it does not (attention grows faster with the sequence), the budget search's
-#     refine step solves the block's ILP at the budget it needs, as for any menu.
+#     would give; kept paths (NOTE [kept paths]) are cheap, so they are walked again at the new sizes.
 def transferred_menu(source: Block, menu: tuple[BlockOption, ...], target: Block) -> tuple[BlockOption, ...]:
     """``source``'s menu as ``target``'s: the same options where the blocks are identical, else re-costed."""
     if source.problem == target.problem:
         return tuple(_moved(o, source, target) for o in menu)
-    return pareto(block_option(target.problem, rename_schedule(o.schedule, source.problem, target.problem))
-                  for o in menu)
+    moved = [block_option(target.problem, rename_schedule(o.schedule, source.problem, target.problem)) for o in menu]
+    return pareto([*moved, *kept_path_menu(target.problem)])  # kept paths are cheap: walked again at these sizes
 
 
 def kept_reads(problem: Problem, schedule: Schedule) -> set[str]:

@@ -469,10 +469,13 @@ def block_menu(
     *,
     solver: str | None = None,
     ilp: BlockIlp | None = None,
+    extremes: tuple[str, ...] = ("kept", "peak"),
 ) -> tuple[BlockOption, ...]:
     """Pareto menu over a grid of (peak budget, kept budget) pairs.
 
-    Always includes the keep-everything schedule (Schedule.keep_all) and the least-kept-memory schedule found.
+    Always includes the keep-everything schedule (Schedule.keep_all) and, per name in ``extremes``, the
+    least-kept-memory or least-peak schedule found (then the least recompute at that kept size or peak).
+    With ``n_peak = n_kept = 1`` the grid is keep-all's point alone, so only the extremes are solved.
     The grid spans from the least peak / kept found to the keep-all values; one model is built and only the
     budget rows change between grid points, visited loose to tight.  Every number comes from the simulator.
     """
@@ -481,7 +484,7 @@ def block_menu(
     ilp = ilp if ilp is not None and ilp.problem is problem else BlockIlp.build(problem, solver)
     big = sim_all.peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1  # no budget
     found = [_Found(keep_all, sim_all, (big, big), None)]  # keep-all is optimal wherever it fits
-    for objective in ("kept", "peak"):  # the grid's low ends, then the least recompute there
+    for objective in extremes:  # the grid's low ends, then the least recompute there
         extreme = ilp.solve(big, None, time_limit_s, objective=objective)
         if extreme is None:
             continue

@@ -7,7 +7,7 @@ from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.solvers.greedy import must_keep, recompute_on_demand
 from remat_plugin.planning.solvers.kept_paths import kept_path_menu
-from tests.test_ilp import chain, diamond, with_unrecomputable
+from test_ilp import chain, diamond, with_unrecomputable
 
 PROBLEMS = {
     "chain6": lambda: chain(6),

@@ -1,6 +1,8 @@
 """RematSession: which plan serves which call, budgets, persistence; and the config it reads."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from remat_plugin.bench.models import mlp_chain
 from remat_plugin.errors import BudgetFormatError, InfeasibleBudgetError
 from remat_plugin.runtime.config import ConfigError, RematConfig
 from remat_plugin.runtime.optimizer_state import pending_state_bytes
+from remat_plugin.runtime.resolver import MANY_SHAPES
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import Signature, bucketed_inputs, describe, round_length
 
@@ -73,6 +76,30 @@ def test_smaller_batch_replays_and_gradients_match():
             assert torch.equal(p.grad, q.grad)
     assert (session.n_solved, session.n_replayed) == (1, 1)
     assert any(b.mode != "keep" for b in session.plans[next(iter(session.plans))].blocks)
+
+
+def test_many_input_shapes_are_told_once_with_the_fix(caplog):
+    """Each new input shape captures its own step (NOTE [many shapes]); the caller is told once, at the
+    MANY_SHAPES-th, how to avoid it, and the replayed steps keep the original module's gradients."""
+    bench, ref = (mlp_chain(n_blocks=2, width=32, batch_size=64, dtype=torch.float64) for _ in range(2))
+    x, y = bench.make_batch(0)[0]
+    session = _session(bench)
+    sizes = range(64, 64 - MANY_SHAPES - 2, -1)
+    told_after = []
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for n in sizes:
+            for module in (bench.module, ref.module):
+                module.zero_grad(set_to_none=True)
+                torch.manual_seed(n)
+                module(x[:n], y[:n]).backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(bench.module.parameters(), ref.module.parameters()))
+            told_after.append(sum("different input shapes" in r.getMessage() for r in caplog.records))
+        bench.module(x, y).backward()  # a shape met before: its step runs, nothing is said
+    assert told_after == [0] * (MANY_SHAPES - 1) + [1] * (len(sizes) - MANY_SHAPES + 1)
+    assert sum("different input shapes" in r.getMessage() for r in caplog.records) == 1
+    message = next(r.getMessage() for r in caplog.records if "different input shapes" in r.getMessage())
+    assert f"{MANY_SHAPES} different input shapes" in message and "pad_to_multiple_of" in message
+    assert (session.n_solved, session.n_replayed) == (1, len(sizes) - 1)
 
 
 def _peak(fn):

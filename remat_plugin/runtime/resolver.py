@@ -30,6 +30,14 @@ NOTE [output usage]
     may differ from eager's in rounding) and the steps are traced again for the other place.  Callers
     that know beforehand set it in the resolver's ``execution`` options.
 
+NOTE [many shapes]
+    A step is built per exact input shape: a plan made for a bucket is replayed on shorter inputs
+    without profiling or solving, but each new shape still captures the model's graph (export and
+    trace, 1.7 s on gpt2-tiny here, more for deeper models) before its first call, and its step stays
+    cached in host memory.  Batches padded to whatever each holds (dynamic padding) meet a new length
+    almost every step at first.  When a module has met :data:`MANY_SHAPES` signatures, the caller is
+    told once, with the fix: pad to a few fixed lengths.
+
 Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
 
 :class:`~remat_plugin.runtime.module.RematModule` and
@@ -53,7 +61,7 @@ from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.calibration import Calibration, metered_step
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.reporting import announce, summary_line
-from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs
+from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs, describe
 from remat_plugin.runtime.steps import (
     PlanMismatch,
     PlannedStep,
@@ -70,6 +78,30 @@ log = logging.getLogger(__name__)
 
 BudgetFn = Callable[[], int]  # the budget in bytes, asked for only when a step must be made
 REFINE_MIN_SHARE = 0.01  # dropped outputs smaller than this share of the predicted peak are not worth a re-plan
+MANY_SHAPES = 16  # input signatures after which the caller is told each new one is captured again (NOTE [many shapes])
+
+
+class StepTable(dict[str, PlannedStep]):
+    """Steps by exact signature key; tells the caller once when many signatures have each needed a step of their
+    own (NOTE [many shapes])."""
+
+    def __init__(self, model: str):
+        super().__init__()
+        self.model = model
+        self.seen: set[str] = set()  # every key a step was built for, steps dropped or rebuilt since included
+
+    def __setitem__(self, key: str, step: PlannedStep) -> None:
+        if key not in self.seen:
+            self.seen.add(key)
+            if len(self.seen) == MANY_SHAPES:
+                log.warning(
+                    "remat_plugin: %s has now been called with %d different input shapes (the latest: %s). Each new "
+                    "shape captures the model's graph again before its first step (seconds each, more for deeper "
+                    "models) and keeps its step in host memory; a shorter input replays its bucket's plan but is "
+                    "still captured. Pad batches to a few fixed lengths: a multiple (transformers' "
+                    "DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64)) or one length (padding='max_length')",
+                    self.model, MANY_SHAPES, describe(key))
+        super().__setitem__(key, step)
 
 
 class StepResolver:
@@ -101,7 +133,7 @@ class StepResolver:
         self.report = report
         self._planning: dict[str, PlanningProgress] = {}  # progress of lazy plans, entered by the call that plans
         self.on_new_plan = on_new_plan
-        self.steps: dict[str, PlannedStep] = {}  # exact signature key -> step
+        self.steps = StepTable(type(module).__name__)  # exact signature key -> step
         self.latest: PlannedStep | None = None  # the step of the latest call
         self.latest_added: Plan | None = None  # the plan added to the store last
         self.n_solved = 0  # plans solved here (not replayed, loaded or received)

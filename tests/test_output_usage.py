@@ -55,10 +55,12 @@ def test_dropped_logits_are_freed_after_the_forward_and_a_caller_that_keeps_them
     assert safe.dropped_outputs == ()
     _step(rm, reference, batch, 0)  # the caller keeps .loss only: seen as its backward begins
     assert rm._resolver.n_refined == 0
+    exported = rm._resolver.latest.exported_module()
 
     peak = _step(rm, reference, batch, 1)  # re-planned with the logits freed once returned
     refined = rm.plan
     assert rm._resolver.n_refined == 1 and refined.dropped_outputs == (LOGITS,)
+    assert exported is not None and rm._resolver.latest.exported_module() is exported  # traced again, not exported
     logits_bytes = 4 * 128 * 1000 * 4
     for what in ("baseline_peak_bytes", "min_feasible_bytes"):  # the logits no longer live through backward
         assert getattr(refined, what) <= getattr(safe, what) - logits_bytes // 2, what

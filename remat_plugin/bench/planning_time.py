@@ -1,7 +1,7 @@
 """Planning-time benchmark: cold planning of a model at two depths, and chain-DP speed.
 
     python -m remat_plugin.bench.planning_time [--model llama-tiny] [--layers 4,16] [--budget 0.5]
-        [--replan 8x128,8x256,16x128]
+        [--replan 8x128,8x256,16x128] [--refine]
 
 Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
 menus: capture + profile + every solve.  Each time is split into the plan's stages: export
@@ -9,8 +9,9 @@ menus: capture + profile + every solve.  Each time is split into the plan's stag
 menus (block ILPs), budget search (chain DP and simulator), other (first run, metering,
 bookkeeping).  ``--replan`` times plans of new shapes made after a first one in the same
 process (what a training run meets when its batch size or sequence length changes) against
-cold plans of the same shapes.  The DP is timed on synthetic chains of 14 and 100 blocks with
-10 options each at 500 memory slots.
+cold plans of the same shapes.  ``--refine`` times the second step of a loop that keeps only the
+loss, which plans again with the outputs it drops freed (the first step's export traced again).  The
+DP is timed on synthetic chains of 14 and 100 blocks with 10 options each at 500 memory slots.
 """
 from __future__ import annotations
 
@@ -41,6 +42,34 @@ for shape, budget in {plans!r}:
                        "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead,
                        "predicted_ms": rm.plan.predicted_time_ms, "stages_s": stages}}))
 """
+
+
+_REFINE = """
+import json, time
+import torch
+from remat_plugin.bench.models import build
+from remat_plugin.runtime.module import rematerialize
+bench = build({model!r}, n_layer={n_layer})
+args, kwargs = bench.make_batch(0)
+rm = rematerialize(bench.module, args, kwargs, budget={budget})
+times = []
+for _ in range(3):  # a training loop keeping only the loss: the second step plans again (NOTE [output usage])
+    t0 = time.perf_counter()
+    bench.loss(rm(*args, **kwargs)).backward()
+    bench.module.zero_grad(set_to_none=True)
+    times.append(time.perf_counter() - t0)
+print(json.dumps({{"replanning_step_s": times[1], "plain_step_s": times[2], "dropped": rm.plan.dropped_outputs,
+                   "stages_s": dict(rm.plan.planning_stages)}}))
+"""
+
+
+def refine_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
+    """The second step of a loop that keeps only the loss, which plans again with the dropped outputs freed, in a
+    fresh process: its time against the next step's, and the re-plan's stages."""
+    out = subprocess.run([sys.executable, "-c", _REFINE.format(model=model, n_layer=n_layer, budget=budget_bytes)],
+                         capture_output=True, text=True, check=True)
+    record = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
+    return {"n_layer": n_layer, **record}
 
 
 def plan_in_order(model: str, plans: list[tuple[dict, int]]) -> list[dict]:
@@ -109,6 +138,9 @@ def main() -> None:
     parser.add_argument("--replan", metavar="B0xS0,B1xS1,...",
                         help="also time re-plans: the first batch x sequence shape cold, then each other one in the "
                              "same process (caches warm), against each planned cold (e.g. 8x128,8x256,16x128)")
+    parser.add_argument("--refine", action="store_true",
+                        help="also time the re-plan a loop keeping only the loss makes at its second step (first "
+                             "depth)")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args()
 
@@ -120,6 +152,9 @@ def main() -> None:
     if opts.replan:
         shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.replan.split(",")]
         results["replan"] = replans(opts.model, shapes[0], shapes[1:], opts.budget)
+    if opts.refine:
+        base = unmodified_peak(opts.model, {"n_layer": depths[0]})
+        results["refine"] = refine_plan(opts.model, depths[0], int(base * opts.budget))
     for n in (14, 100):
         results["dp_ms"][n] = dp_time_ms(n)
     for c in results["cold"]:
@@ -136,6 +171,11 @@ def main() -> None:
               f"(cold {r['cold']['plan_s']:.1f} s); predicted overhead {r['replan']['overhead']:.3f}x, "
               f"the cold plan's {r['cold']['overhead']:.3f}x ({r['overhead_vs_cold'] - 1:+.1%})")
         print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in r["replan"]["stages_s"].items()))
+    if "refine" in results:
+        r = results["refine"]
+        print(f"re-plan for the dropped outputs {r['dropped']} ({r['n_layer']} layers): the step that plans again "
+              f"{r['replanning_step_s']:.2f} s, the next step {r['plain_step_s']:.2f} s")
+        print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in r["stages_s"].items()))
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=1)

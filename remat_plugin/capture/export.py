@@ -193,6 +193,9 @@ class CompiledStep:
     backward: SegmentedBackward | None = None  # the eager backward program, once built (NOTE [segmented backward])
     trace_started: float | None = None  # time.perf_counter() as the first call began tracing
     absent_tangents: frozenset[str] = frozenset()  # dropped outputs' tangents, left None (NOTE [dropped tangents])
+    # The exported module its joint graph is traced from: a new plan of the same call (the outputs the caller
+    # drops, a calibration correction) traces it again instead of exporting the model anew.
+    exported: torch.fx.GraphModule | None = None
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -248,6 +251,7 @@ def build_step(
     dropped_outputs: frozenset[int] = frozenset(),
     options: ExecutionOptions = EAGER,
     ungraded_outputs: frozenset[int] = frozenset(),
+    exported: torch.fx.GraphModule | None = None,
 ) -> CompiledStep:
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
 
@@ -257,16 +261,17 @@ def build_step(
     ``ungraded_outputs`` (held, but reached by no gradient) get no gradient in the backward program
     (NOTE [dropped tangents]).
     ``options``: where the caller runs ``backward()``, and whether the programs are compiled.
+    ``exported``: a step's :attr:`CompiledStep.exported` for these very inputs and tensors, traced instead of
+    exporting again.
     """
-    ep = export_module(module, args, kwargs)
-    gm = ep.module()
+    gm = exported if exported is not None else export_module(module, args, kwargs).module()
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
     names = list(named)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
-                        options=options)
+                        options=options, exported=gm)
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))

@@ -230,6 +230,9 @@ class StepResolver:
         """
         now = not self.plan_lazily if now is None else now
         model = type(self.module).__name__
+        previous = self.steps.get(call.key)  # a step of this very call (a re-plan): its export is traced again
+        exported = previous.exported_module() if previous is not None and previous.tensor_ids == call.tensor_ids \
+            else None
         progress = PlanningProgress(f"planning {model}") if self.verbose else None
 
         def on_plan(step: PlannedStep) -> None:
@@ -246,7 +249,7 @@ class StepResolver:
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
                              dropped_outputs=dropped_outputs, ungraded_outputs=ungraded_outputs,
                              calibration_bytes=self.calibration.bytes_for(call.key),
-                             options=self.execution)
+                             options=self.execution, exported=exported)
             step.to_meter = True
             if now and not step.checked:
                 run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped

@@ -82,6 +82,10 @@ class PlannedStep:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         return self.run(args, kwargs)
 
+    def exported_module(self) -> torch.fx.GraphModule | None:
+        """The exported module its graph was traced from (None for a fallback), for a new plan of the same call."""
+        return getattr(self.run, "exported", None)
+
     def compiled_programs(self) -> list[Callable]:
         """The forward and backward programs its first call built (inductor segments under ``compile=True``)."""
         return list(getattr(self.run, "programs", ()))
@@ -111,7 +115,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
               on_plan: Callable[[PlannedStep], None] | None = None,
               dropped_outputs: frozenset[int] = frozenset(), ungraded_outputs: frozenset[int] = frozenset(),
               calibration_bytes: int = 0,
-              options: ExecutionOptions = EAGER) -> PlannedStep:
+              options: ExecutionOptions = EAGER, exported: torch.fx.GraphModule | None = None) -> PlannedStep:
     """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
 
     ``dropped_outputs``: flat tensor outputs the caller drops before backward, freed once returned
@@ -119,6 +123,8 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     holds that no gradient reaches (NOTE [dropped tangents]).  ``calibration_bytes``: kept back from
     the budget for what a metered step showed the model misses (NOTE [calibration]).  ``options``: where the
     caller runs ``backward()`` and whether the programs are compiled (:class:`ExecutionOptions`).
+    ``exported``: the exported module of an earlier step of this very call (:meth:`PlannedStep.exported_module`),
+    traced again instead of exporting the model anew.
 
     Models ``torch.export`` cannot capture fall back to per-layer checkpointing when they have
     a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
@@ -153,7 +159,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     export_started = time.perf_counter()
     try:
         step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs, options,
-                              ungraded_outputs)
+                              ungraded_outputs, exported)
         export_s = time.perf_counter() - export_started
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)

@@ -118,3 +118,19 @@ def test_recompute_breakdown_adds_up_to_the_plan():
     assert sum(k["fwd_ms"] for k in r["kinds"].values()) == pytest.approx(r["forward_ms"])
     assert sum(k["recomputed_ms"] for k in r["kinds"].values()) == pytest.approx(r["recomputed_ms"])
     assert op_kind("apply_dropout_mask_default_12") == "apply_dropout_mask" and op_kind("addmm_3") == "addmm"
+
+
+def test_overhead_breakdown_sets_our_step_beside_eagers():
+    """``bench overhead-breakdown``: with nothing recomputed, the split dropouts and our autograd nodes appear in our
+    step only, once per dropout and per step, eager's own dropout only in eager's, and the matrix products alike."""
+    from remat_plugin.bench.overhead_breakdown import report, run
+
+    r = run("mlp-chain", 1.0, steps=2, pairs=3, n_blocks=3)
+    events = {row["event"]: row for row in r["events"]}
+    assert r["predicted_overhead"] == pytest.approx(1.0)
+    for op in ("remat_plugin::dropout_mask", "remat_plugin::apply_dropout_mask", "remat_plugin::dropout_mask_backward"):
+        assert (events[op]["ours_calls"], events[op]["eager_calls"]) == (3, 0), op
+    assert events["aten::dropout"]["ours_calls"] == 0 and events["aten::dropout"]["eager_calls"] == 3
+    assert events["CompiledFunction"]["ours_calls"] == 1 and events["CompiledFunction"]["eager_calls"] == 0
+    assert events["aten::mm"]["ours_calls"] == events["aten::mm"]["eager_calls"] > 0
+    assert r["wall_ms"]["ours"] > 0 and r["wall_ms"]["eager"] > 0 and "mlp-chain at 1" in report(r)

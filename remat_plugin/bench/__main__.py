@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
 
         recompute_breakdown_main(argv[1:])
         return 0
+    if argv[:1] == ["overhead-breakdown"]:  # our step against eager's, profiler self time per op
+        from remat_plugin.bench.overhead_breakdown import main as overhead_breakdown_main
+
+        overhead_breakdown_main(argv[1:])
+        return 0
     if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
         from remat_plugin.bench.batch_size_bench import main as batch_size_main
 

@@ -92,11 +92,6 @@ def test_a_plan_keeps_masks_and_recomputes_outputs_with_exact_gradients():
         reference(x).backward()
         assert_same_grads_and_buffers(rm, reference, f"step {seed}")
         assert peak <= budget, (peak, budget)
-    # the programs call the kernels themselves (call_kernels_directly)
-    with torch.profiler.profile() as prof:
-        rm(x).backward()
-    assert not [e.name for e in prof.events() if e.name.startswith("remat_plugin::")]
-    assert any(e.name == "aten::bernoulli_" for e in prof.events())
 
 
 def test_reduced_precision_dropouts_are_left_as_traced():
@@ -106,32 +101,3 @@ def test_reduced_precision_dropouts_are_left_as_traced():
     names = [o.name for o in problem.ops]
     assert any(n.startswith("bernoulli") for n in names)
     assert not any(n.startswith(("dropout_mask", "apply_dropout_mask")) for n in names)
-
-
-def test_programs_call_the_kernels_directly_with_the_same_draws():
-    """call_kernels_directly: the ops become their kernels and compute what the ops do, bit for bit; a draw
-    replayed from a saved generator state keeps its op (an argument of the replay, which fx writes as the op)."""
-    from torch import fx
-
-    from remat_plugin.capture import dropout_masks
-    from remat_plugin.capture.dropout_masks import call_kernels_directly
-    from remat_plugin.capture.programs import capture_rng_state, replay_random
-
-    ops = torch.ops.remat_plugin
-    x = torch.randn(16, 8)
-    state = capture_rng_state("cpu")
-    mask = ops.dropout_mask(x, 0.3)
-    want = (mask, ops.apply_dropout_mask(x, mask, 0.3))
-    want += (ops.dropout_mask_backward(want[1], mask, 1 / 0.7),)
-    graph = fx.Graph()
-    gx, gs = graph.placeholder("x"), graph.placeholder("state")
-    m = graph.call_function(replay_random, (gs, "cpu", ops.dropout_mask.default, gx, 0.3))
-    out = graph.call_function(ops.apply_dropout_mask.default, (gx, m, 0.3))
-    graph.output((m, out, graph.call_function(ops.dropout_mask_backward.default, (out, m, 1 / 0.7))))
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    assert call_kernels_directly(gm) == 2
-    gm.recompile()
-    assert [n.target for n in gm.graph.nodes if n.op == "call_function"][1:] == [
-        dropout_masks._apply_mask, dropout_masks._times_mask]
-    got = gm(x, state)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want))

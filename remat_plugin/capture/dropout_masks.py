@@ -42,19 +42,11 @@ def dropouts_as_traced() -> contextlib.AbstractContextManager[None]:
     return _splitting.off()
 
 
-def _draw_mask(x: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.empty_like(x).bernoulli_(1.0 - p).to(torch.bool)
-
-
-def _apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
-    return _times_mask(x, mask, 1.0 / (1.0 - p))
-
-
 @torch.library.custom_op("remat_plugin::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """Which elements a CPU ``native_dropout`` of ``x`` keeps: its very draws, as a bool tensor of ``x``'s layout
     (``x`` is read for its layout only)."""
-    return _draw_mask(x, p)
+    return torch.empty_like(x).bernoulli_(1.0 - p).to(torch.bool)
 
 
 @dropout_mask.register_fake
@@ -65,7 +57,7 @@ def _(x: torch.Tensor, p: float) -> torch.Tensor:
 @torch.library.custom_op("remat_plugin::apply_dropout_mask", mutates_args=())
 def apply_dropout_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """The dropout's output: ``x * mask`` scaled by ``1 / (1 - p)``, as the CPU kernel computes it."""
-    return _apply_mask(x, mask, p)
+    return _times_mask(x, mask, 1.0 / (1.0 - p))
 
 
 @apply_dropout_mask.register_fake
@@ -89,31 +81,6 @@ def _times_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tens
     times a bool one converts element by element inside the multiply, 3.4x the time (10.2 against 3.0 ms for
     8x4x256x256 float32, one thread)."""
     return x.mul(mask.to(x.dtype)).mul_(scale)
-
-
-def _kernels() -> dict:
-    return {torch.ops.remat_plugin.dropout_mask.default: _draw_mask,
-            torch.ops.remat_plugin.apply_dropout_mask.default: _apply_mask,
-            torch.ops.remat_plugin.dropout_mask_backward.default: _times_mask}
-
-
-def call_kernels_directly(gm: fx.GraphModule) -> int:
-    """In a program run as Python, call the split dropouts' kernels themselves, not through the dispatcher.
-
-    A custom op's call from Python costs about 50 us besides its kernel (``bench overhead-breakdown``:
-    24 calls, 1.3 ms of mlp-chain's 48 ms step).  The kernels are the ops' own bodies, so the results are
-    the same bit for bit.  A draw replayed from a saved generator state (a mask the plan does not keep) names
-    its op as an argument of the replay, which fx can only write as the op, so it keeps the dispatcher.  Only
-    the graph is rewritten: the caller generates the code.  Programs run by inductor keep the ops.  Returns
-    how many calls now go directly.
-    """
-    kernels = _kernels()
-    done = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in kernels:
-            node.target = kernels[node.target]
-            done += 1
-    return done
 
 
 def _rewritable(node: fx.Node) -> bool:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.compiled_programs import compile_program
-from remat_plugin.capture.dropout_masks import call_kernels_directly, split_dropouts
+from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
 from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
@@ -305,7 +305,6 @@ def build_step(
             program = boxed(gm_, example)
         else:
             add_in_place(gm_)  # NOTE [in-place adds]
-            call_kernels_directly(gm_)  # the segments generate their programs' code from the graph
             program = step.backward = SegmentedBackward(gm_, options.backward_segments)
             step.programs.append(step.backward)
         return FilledTangents(program, gm_, step.absent_tangents) if step.absent_tangents else program
@@ -317,7 +316,6 @@ def build_step(
             # Boxed calling convention: the program receives the argument list and clears it,
             # so each saved tensor dies after its last use instead of at the end of backward.
             add_in_place(gm_)  # NOTE [in-place adds]
-            call_kernels_directly(gm_)
             gm_.graph.set_codegen(BoxedCodeGen())
             gm_.recompile()
 

@@ -37,7 +37,7 @@ def test_mask_and_multiply_are_the_cpu_kernel_bit_for_bit(dtype, p, layout):
     got = torch.ops.remat_plugin.dropout_mask_backward(grad, mine, scale)
     assert torch.equal(got, want) and got.stride() == want.stride()
     assert torch.equal(torch.signbit(got), torch.signbit(want))
-    # a gradient laid out otherwise than the mask (the product cannot be written into the converted mask)
+    # a gradient laid out otherwise than the mask: the product takes the kernel's layout
     other = torch.randn(tuple(reversed(x.shape)), dtype=dtype).permute(*reversed(range(x.dim())))
     other[0].fill_(float("-inf"))  # -inf * 0 is nan, -inf * 1 stays -inf: as the kernel computes them
     want = torch.ops.aten.native_dropout_backward(other, mask, scale)

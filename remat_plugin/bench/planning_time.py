@@ -146,15 +146,14 @@ def main() -> None:
 
     depths = [int(n) for n in opts.layers.split(",")]
     results: dict = {"model": opts.model, "cold": [], "dp_ms": {}}
+    budgets = {n_layer: int(unmodified_peak(opts.model, {"n_layer": n_layer}) * opts.budget) for n_layer in depths}
     for n_layer in depths:
-        base = unmodified_peak(opts.model, {"n_layer": n_layer})
-        results["cold"].append(cold_plan(opts.model, n_layer, int(base * opts.budget)))
+        results["cold"].append(cold_plan(opts.model, n_layer, budgets[n_layer]))
     if opts.replan:
         shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.replan.split(",")]
         results["replan"] = replans(opts.model, shapes[0], shapes[1:], opts.budget)
     if opts.refine:
-        base = unmodified_peak(opts.model, {"n_layer": depths[0]})
-        results["refine"] = refine_plan(opts.model, depths[0], int(base * opts.budget))
+        results["refine"] = refine_plan(opts.model, depths[0], budgets[depths[0]])  # the first depth's cold budget
     for n in (14, 100):
         results["dp_ms"][n] = dp_time_ms(n)
     for c in results["cold"]:

@@ -31,6 +31,7 @@ NOTE [op times across shapes]
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -134,11 +135,49 @@ def _run_once(node: fx.Node, device: torch.device, real: dict[str, torch.Tensor]
                 return t
         v = a.meta.get("val")
         if isinstance(v, torch.Tensor):
-            return _make_input(v, device)
+            return _make_input(v, _input_device(a, v, device, real))
         return v
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), materialize)
     return node.target, args, kwargs
+
+
+# (producer op, output index, step device type) -> the device its kernel really returns that output on.
+_output_devices: dict[tuple[str, int, str], torch.device] = {}
+
+
+def _input_device(a: fx.Node, val: torch.Tensor, device: torch.device, real: dict[str, torch.Tensor]) -> torch.device:
+    """Where the step's kernels put ``a``, for a generated copy of it.
+
+    The trace can say otherwise: the fused attention kernels return their dropout's philox seed and offset
+    as host tensors, which the fake trace places on the GPU with everything else, and their backward reads
+    them on the host (given a device pointer there, the process crashed on an H100).  So an integer output
+    of a multi-output op is placed where its producer, run once on generated inputs, really returns it
+    (once per op and output in a process); a CPU value stays on the CPU.
+    """
+    if val.device.type == "cpu" or device.type == "cpu":
+        return torch.device("cpu")
+    if val.dtype.is_floating_point or val.dtype.is_complex or val.dtype == torch.bool:
+        return device
+    if a.target is not operator.getitem or not isinstance(a.args[0], fx.Node):
+        return device
+    producer, index = a.args[0], a.args[1]
+    if not isinstance(producer.target, OpOverload) or not isinstance(index, int):
+        return device
+    key = (str(producer.target), index, device.type)
+    if key not in _output_devices:
+        found = device
+        try:
+            target, args, kwargs = _run_once(producer, device, real)
+            with torch.no_grad():
+                out = target(*args, **kwargs)
+            if isinstance(out, (tuple, list)) and isinstance(out[index], torch.Tensor):
+                found = out[index].device
+        except Exception as exc:  # noqa: BLE001 -- the producer rejects generated inputs: keep the traced device
+            log.debug("profile: %s failed on generated inputs (%s); output %d kept on %s", producer.target, exc,
+                      index, device)
+        _output_devices[key] = found
+    return _output_devices[key]
 
 
 def _time_op(node: fx.Node, device: torch.device, real: dict[str, torch.Tensor], min_total_ms: float = 2.0,

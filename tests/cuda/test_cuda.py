@@ -1,14 +1,15 @@
 """The CUDA suite: exact gradients and budgets kept by the caching allocator's own counters.
 
 Marked ``cuda`` and skipped without a GPU (CI has none; ``make test`` stays green).  Run it where a GPU
-is lent: ``.venv/bin/python -m pytest -q tests/cuda``.  The meter of record is
+is lent: ``.venv/bin/python -m pytest -q tests/cuda`` (``tests/cuda/device_check.sh`` on a lent machine whose image has
+its own torch).  The meter of record is
 ``torch.cuda.max_memory_allocated`` read by :class:`~remat_plugin.capture.memory_meter.PeakMeter`,
 which does not clobber a caller's own peak statistics (nested-safe); cuDNN/cuBLAS workspaces are in
 the plan through each op's measured ``temp_bytes`` (NOTE [temporary memory] in capture/measured_costs.py).
 """
 import pytest
 import torch
-from budgets import assert_same_grads_and_buffers, sweep
+from budgets import assert_same_grads_and_buffers, settle, sweep
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -56,24 +57,47 @@ def _deterministic():
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_exact_within_budget_and_predicted(name):
     """float64 on CUDA, dropout on: bitwise gradients and buffers; at 10 budgets from the unmodified peak to
-    the smallest feasible one, max_memory_allocated's rise stays within the budget and the prediction is within
-    10% of it."""
+    the smallest feasible one, max_memory_allocated's rise stays within the budget and, once the plan has
+    settled (calibrated, outputs the loss drops freed), the prediction is within 10% of it."""
     a = build(name, dtype=torch.float64, seed=0, device="cuda", **MODELS[name])
     ref = build(name, dtype=torch.float64, seed=0, device="cuda", **MODELS[name])
     batch = a.make_batch(0)
     plan = rematerialize(a.module, *batch, budget=10**12).plan
+    rows = []
     for i, budget in enumerate(sweep(plan)):
         rm = rematerialize(a.module, *batch, budget=budget)
-        _step(rm, a, batch)  # first call: plans and builds (its allocations are not the step's)
+        settle(lambda rm=rm: _step(rm, a, batch))  # plans, calibrates, re-plans for dropped outputs
         _step(ref.module, ref, batch)
         measured = _peak(rm, a, batch)
         _step(ref.module, ref, batch)
-        assert measured <= budget, (i, measured, budget)
-        assert abs(rm.plan.predicted_peak_bytes - measured) <= 0.10 * measured, (i, rm.plan.predicted_peak_bytes,
-                                                                                 measured)
+        rows.append((i, budget, measured, rm.plan.predicted_peak_bytes))
         loss, loss_ref = _step(rm, a, batch), _step(ref.module, ref, batch)
         assert torch.equal(loss, loss_ref), (i, loss, loss_ref)
         assert_same_grads_and_buffers(a.module, ref.module, f"budget {i}")
+    print(f"{name} (budget, measured, predicted):", rows)  # every point in the log, also when one fails
+    assert all(measured <= budget for _, budget, measured, _ in rows), rows
+    assert all(abs(predicted - measured) <= 0.10 * measured for _, _, measured, predicted in rows), rows
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_float32_fused_attention_with_dropout(name):
+    """float32 on CUDA: HF attention runs PyTorch's fused SDPA kernels (flash or memory-efficient, dropout drawn
+    inside the kernel from a philox seed and offset held on the CPU).  Planning profiles those kernels alone,
+    recomputation replays them: gradients within float32 tolerance of eager's, peak within budget, at three
+    budgets down to the smallest feasible."""
+    a = build(name, dtype=torch.float32, seed=0, device="cuda", **MODELS[name])
+    ref = build(name, dtype=torch.float32, seed=0, device="cuda", **MODELS[name])
+    batch = a.make_batch(0)
+    plan = rematerialize(a.module, *batch, budget=10**12).plan
+    for i, budget in enumerate(sweep(plan, n=3)):
+        rm = rematerialize(a.module, *batch, budget=budget)
+        settle(lambda rm=rm: _step(rm, a, batch))
+        measured = _peak(rm, a, batch)
+        assert measured <= budget, (i, measured, budget)
+        loss, loss_ref = _step(rm, a, batch), _step(ref.module, ref, batch)
+        torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+        for (pname, p), q in zip(a.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m, pname=pname: f"{pname}: {m}")
 
 
 class _CpuNoise(nn.Module):

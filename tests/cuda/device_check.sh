@@ -6,7 +6,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.15.1 \
 #     transformers==5.24.0
 # Then, from the repository root there:  OUT=<folder> bash tests/cuda/device_check.sh
-# Writes: cuda_tests.log (tests/cuda), bench_cuda.{json,log} (python -m remat_plugin.bench --device cuda),
+# Writes: cuda_tests.log (tests/cuda, the float32 tests in a process of their own), bench_cuda.{json,log} (python -m remat_plugin.bench --device cuda),
 # compare_cuda.{md,json} (bench compare --device cuda, inductor).  Each step has its own time limit, so a slow one
 # leaves the others' results.
 set -u
@@ -24,9 +24,16 @@ REPO=$OLDPWD
 torch.cuda.get_device_name(), '| transformers', transformers.__version__, '| pulp', pulp.__version__)"
 } 2>&1 | tee "$OUT/bench_cuda.log"
 
-timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rA --durations=10 --rootdir "$REPO" \
-  -c "$REPO/pyproject.toml" -k "${TESTS_K:-}" "$REPO/tests/cuda" 2>&1 | tee "$OUT/cuda_tests.log"
-echo "tests/cuda exit: ${PIPESTATUS[0]}" | tee -a "$OUT/cuda_tests.log"
+# Two pytest processes, so a crash in the float32 (fused-attention) tests leaves the others' report; a per-test
+# limit (pytest-timeout, where installed) keeps one slow test from taking the whole report with it.
+PER_TEST=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=${PER_TEST_S:-100}")
+: > "$OUT/cuda_tests.log"
+for selection in "not float32" "float32"; do
+  timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rA --durations=10 \
+    $PER_TEST --rootdir "$REPO" -c "$REPO/pyproject.toml" -k "$selection${TESTS_K:+ and ($TESTS_K)}" \
+    "$REPO/tests/cuda" 2>&1 | tee -a "$OUT/cuda_tests.log"
+  echo "tests/cuda -k '$selection' exit: ${PIPESTATUS[0]}" | tee -a "$OUT/cuda_tests.log"
+done
 
 timeout "${BENCH_S:-130}" python3 -X faulthandler -m remat_plugin.bench --device cuda --model "${BENCH_MODELS:-gpt2-tiny,llama-tiny,resnet-tiny}" \
   --budgets "${BENCH_BUDGETS:-1.0,0.6,0.4,0.3}" --pairs 7 --json "$OUT/bench_cuda.json" 2>&1 | tee -a "$OUT/bench_cuda.log"

@@ -79,10 +79,13 @@ def _launched(cmd: list[str], out: Path, env_extra: dict[str, str]) -> list[dict
 
 
 def _same_training_within_budget(run, tmp: Path) -> None:
-    """``run(out, budget)`` with no budget, then at 0.9 of its highest peak: the same losses and final
-    parameters (float64, bitwise), every metered step of every rank within the budget."""
+    """``run(out, budget)`` with no budget, then at 0.95 of its highest peak: the same losses and final parameters
+    (float64, bitwise), every metered step of every rank within the budget.  The scripts meter peaks as the plan
+    counts them (gloo's racing reduce-scatter clones left out, one layer's gradients added: NOTE [FSDP2 budget]):
+    raw, a step holds a clone or not as gloo's thread races, and a budget at 0.9 of the raw peaks sat below the
+    lowest plans' worst case in one CI run (no plain step held a clone: 37.3 MB against 43.5 MB)."""
     plain = run(tmp / "plain", None)
-    budget = int(0.9 * max(max(r["peaks"]) for r in plain))
+    budget = int(0.95 * max(max(r["peaks"]) for r in plain))
     ours = run(tmp / "ours", budget)
     for p, o in zip(plain, ours):
         assert o["planned"] and o["losses"] == p["losses"] and o["params"] == p["params"]

@@ -14,7 +14,6 @@ events' times add up to more than the unprofiled wall time; compare them with ea
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -23,8 +22,7 @@ from collections.abc import Callable
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import metered_bench_step, peer_step_of, settle_plan
-from remat_plugin.runtime.module import RematModule
+from remat_plugin.bench.run import metered_bench_step, peer_step_of, settled_copy
 
 SEED = 1234
 
@@ -42,10 +40,7 @@ def run(model: str, budget: float, steps: int = 5, pairs: int = 9, **model_kwarg
     batch = bench.make_batch(0)
     device = next(bench.module.parameters()).device
     none_peak, _, _ = metered_bench_step(bench, peer_step_of(bench, "none"), batch, device)
-    ours = copy.copy(bench)
-    ours.module = copy.deepcopy(bench.module)
-    rm = RematModule(ours.module, int(budget * none_peak), verbose=False)
-    settle_plan(ours, rm, batch)
+    ours, rm = settled_copy(bench, int(budget * none_peak), batch)
     assert rm.plan is not None
 
     def step_of(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:

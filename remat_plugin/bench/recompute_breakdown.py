@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import json
 import re
 
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import metered_bench_step, peer_step_of, settle_plan
+from remat_plugin.bench.run import metered_bench_step, peer_step_of, settled_copy
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.planning.menus import kept_reads
-from remat_plugin.runtime.module import RematModule
 
 SEED = 1234
 
@@ -47,10 +45,7 @@ def run(model: str, budget: str) -> dict:
         budget_bytes, _, _ = metered_bench_step(bench, peer_step_of(bench, "per_layer"), batch, device)
     else:
         budget_bytes = int(float(budget) * none_peak)
-    ours = copy.copy(bench)
-    ours.module = copy.deepcopy(bench.module)
-    rm = RematModule(ours.module, budget_bytes, verbose=False)
-    settle_plan(ours, rm, batch)
+    ours, rm = settled_copy(bench, budget_bytes, batch)
     plan, problem = rm.plan, rm.problem
     assert plan is not None and problem is not None and plan.schedule is not None
     schedule = Schedule(plan.schedule)

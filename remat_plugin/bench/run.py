@@ -20,6 +20,7 @@ Every row is a plain dict (JSON-ready); ``bench/report.py`` formats them.
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import math
@@ -147,6 +148,16 @@ def settle_plan(bench: BenchModel, rm: RematModule, batch: Batch) -> None:
             if i >= 2 and rm.plan is plan:
                 break
     bench.module.zero_grad(set_to_none=True)
+
+
+def settled_copy(bench: BenchModel, budget_bytes: int, batch: Batch) -> tuple[BenchModel, RematModule]:
+    """A copy of ``bench`` (its module deep-copied: ``bench`` stays the unmodified reference) planned at
+    ``budget_bytes`` and settled on ``batch`` (:func:`settle_plan`)."""
+    ours = copy.copy(bench)
+    ours.module = copy.deepcopy(bench.module)
+    rm = RematModule(ours.module, budget_bytes, verbose=False)
+    settle_plan(ours, rm, batch)
+    return ours, rm
 
 
 def _ours_row(context: _RunContext, fraction: float, min_feasible_bytes: int | None) -> tuple[BenchRow, int | None]:

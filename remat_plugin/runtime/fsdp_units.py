@@ -48,7 +48,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,14 @@ log = logging.getLogger(__name__)
 UNIT_OPTIONS = ExecutionOptions(watch_outputs=False)
 MAX_CHOICES = 3  # plans chosen and metered per new input shape, after the lowest plans' metered step
 GLOO_COPIES = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_")  # ops whose input gloo clones (NOTE [FSDP2 budget])
+
+
+def in_flight_bytes(units: Iterable[nn.Module]) -> int:
+    """Under gloo, one leaf unit's unsharded gradients: a reduce-scatter's clone a step may hold or not
+    (NOTE [FSDP2 budget]); 0 under a backend that does not copy collective inputs."""
+    if not dist.copies_collective_inputs():
+        return 0
+    return max(sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units)
 
 
 def leaf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -160,10 +168,8 @@ class FsdpRemat:
 
     @property
     def in_flight_bytes(self) -> int:
-        """Under gloo, one leaf unit's unsharded gradients: a reduce-scatter's clone a step may hold or not."""
-        if not dist.copies_collective_inputs():
-            return 0
-        return max(sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in self._units)
+        """:func:`in_flight_bytes` of these units."""
+        return in_flight_bytes(self._units)
 
     @property
     def plans(self) -> dict[str, Plan]:

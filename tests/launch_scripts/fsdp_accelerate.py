@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from remat_plugin.bench.models import build
 from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
 from remat_plugin.integrations import accelerate as remat_accelerate
-from remat_plugin.runtime.fsdp_units import GLOO_COPIES
+from remat_plugin.runtime.fsdp_units import GLOO_COPIES, in_flight_bytes
 
 STEPS, METERED_FROM = 6, 3
 
@@ -39,7 +39,7 @@ def main() -> None:
     model = remat_accelerate.prepare(accelerator, bench.module) if os.environ.get("REMAT_BUDGET") else bench.module
     optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.05))
     losses, peaks = [], []  # peaks as the plan counts them: gloo's racing clones left out, one layer's gradients added
-    in_flight = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in bench.layers)
+    in_flight = in_flight_bytes(bench.layers)
     for step in range(STEPS):
         args, kwargs = bench.make_batch(100 * accelerator.process_index + step)
         optimizer.zero_grad(set_to_none=True)

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from remat_plugin.bench.models import build
 from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
-from remat_plugin.runtime.fsdp_units import GLOO_COPIES
+from remat_plugin.runtime.fsdp_units import GLOO_COPIES, in_flight_bytes
 
 STEPS, METERED_FROM = 6, 3
 
@@ -47,6 +47,7 @@ class ShardedLM(pl.LightningModule):
         for layer in self.bench.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+        self.in_flight = in_flight_bytes(self.bench.layers)
 
     def training_step(self, batch, _):
         batch_idx = len(self.losses)  # the step's index (each epoch has 3 batches per rank)
@@ -63,9 +64,7 @@ class ShardedLM(pl.LightningModule):
         if batch_idx >= METERED_FROM:
             with memory_profile() as prof:
                 loss = fwd_bwd()
-            self.peaks.append(allocator_trace(prof, excluding=GLOO_COPIES).peak_rise()[0]
-                              + max(sum(p.numel() * p.element_size() for p in layer.parameters())
-                                    for layer in self.bench.layers))
+            self.peaks.append(allocator_trace(prof, excluding=GLOO_COPIES).peak_rise()[0] + self.in_flight)
         else:
             loss = fwd_bwd()
         opt.step()

@@ -8,6 +8,7 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
 from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
+from remat_plugin.capture.repeated_layers import NotSpliceable, RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
@@ -171,6 +173,9 @@ class ExecutionOptions:
     # Route the outputs through _WatchedOutputs (output usage, the double-backward refusal).  Off for FSDP2 units,
     # whose outputs must not be views: FSDP's pre-backward hook on a view is lost to a caller's in-place op.
     watch_outputs: bool = True
+    # Trace one layer of each kind of the model's repeated layers and splice it in at every call
+    # (NOTE [layers traced once]) instead of tracing every layer.
+    layers_once: bool = field(default_factory=lambda: os.environ.get("REMAT_LAYERS_ONCE", "0") == "1")
 
 
 EAGER = ExecutionOptions()
@@ -196,6 +201,9 @@ class CompiledStep:
     # The exported module its joint graph is traced from: a new plan of the same call (the outputs the caller
     # drops, a calibration correction) traces it again instead of exporting the model anew.
     exported: torch.fx.GraphModule | None = None
+    # Traces the step again with every layer, for a model whose layers turned out not to splice (NOTE [layers
+    # traced once]); None once used, or where every layer was traced from the start.
+    traced_whole: Callable[[], Callable] | None = None
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -212,7 +220,15 @@ class CompiledStep:
             if self.options.backward_segments > 1 and not self.options.compile and torch.is_grad_enabled():
                 inputs = ordered_first_call(inputs)  # NOTE [first call order]
             with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
-                flat_out = self.fn(*inputs)
+                try:
+                    flat_out = self.fn(*inputs)
+                except NotSpliceable as exc:
+                    if self.traced_whole is None:
+                        raise
+                    log.warning("remat_plugin.capture: this model's layers could not be traced once (%s); tracing "
+                                "every layer", str(exc).splitlines()[0][:300])
+                    self.fn, self.traced_whole = self.traced_whole(), None
+                    flat_out = self.fn(*inputs)
             self.traced = True
         if self.absent_tangents and torch.is_grad_enabled():
             self._keep_missing_gradients(flat_out)
@@ -242,6 +258,27 @@ class CompiledStep:
         keep_missing_gradients(node)
 
 
+LAYERS_META = "remat_plugin.repeated_layers"  # an exported module's RepeatedLayers, in its .meta
+
+
+def _export(module: nn.Module, args: tuple, kwargs: dict,
+            options: ExecutionOptions) -> tuple[torch.fx.GraphModule, RepeatedLayers | None]:
+    """The exported module, with its repeated layers as opaque ops when they can be (NOTE [layers traced once])."""
+    layers = RepeatedLayers.of(module) if options.layers_once else None
+    if layers is not None:
+        try:
+            with layers.opaque():
+                gm = export_module(module, args, kwargs).module()
+            with traced_like_eager(options.backward_autocast):
+                layers.trace_templates()
+            gm.meta[LAYERS_META] = layers
+            return gm, layers
+        except (CaptureError, NotSpliceable) as exc:
+            log.warning("remat_plugin.capture: %s's layers could not be traced once (%s); tracing every layer",
+                        type(module).__name__, str(exc).splitlines()[0][:300])
+    return export_module(module, args, kwargs).module(), None
+
+
 def build_step(
     module: nn.Module,
     args: tuple,
@@ -264,7 +301,12 @@ def build_step(
     ``exported``: a step's :attr:`CompiledStep.exported` for these very inputs and tensors, traced instead of
     exporting again.
     """
-    gm = exported if exported is not None else export_module(module, args, kwargs).module()
+    layers = None
+    if exported is not None:
+        gm = exported
+        layers = gm.meta.get(LAYERS_META)
+    else:
+        gm, layers = _export(module, args, kwargs, options)
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
     names = list(named)
@@ -279,7 +321,7 @@ def build_step(
         for pos, t in zip(tensor_positions, flat[len(names) :]):
             call_leaves[pos] = t
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, in_spec)
-        out = torch.func.functional_call(gm, state, call_args, call_kwargs, strict=False)
+        out = torch.func.functional_call(step.exported, state, call_args, call_kwargs, strict=False)
         out_leaves, step.out_spec = pytree.tree_flatten(out)
         step.out_tensor_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         step.out_constants = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, torch.Tensor)}
@@ -288,6 +330,9 @@ def build_step(
     n_params = len(dict(module.named_parameters()))
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
+        spliced = step.exported.meta.get(LAYERS_META)
+        if spliced is not None:
+            spliced.splice(joint_gm)  # NOTE [layers traced once]
         split_dropouts(joint_gm)  # NOTE [dropout masks]
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
@@ -328,5 +373,13 @@ def build_step(
 
     # enable_log=False: AOTAutograd would otherwise print the whole joint and fw/bw graphs to strings for its
     # structured log at every capture (0.3-0.7 s on a 4-16-layer Llama), whether or not anyone reads the log.
+    def traced_whole() -> Callable:
+        """The step traced with every layer (a model whose layers turned out not to splice)."""
+        step.exported = export_module(module, args, kwargs).module()
+        return aot_function(flat_fn, fw_compiler=boxed, bw_compiler=backward_program, partition_fn=partition_fn,
+                            enable_log=False)
+
     step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=backward_program, partition_fn=partition_fn, enable_log=False)
+    if layers is not None:
+        step.traced_whole = traced_whole
     return step

@@ -1,0 +1,412 @@
+"""Trace a model's repeated layers once: each layer is one opaque op while the model is traced, and the
+joint graph of one layer is spliced in at every call.
+
+NOTE [layers traced once]
+    ``torch.export`` and AOTAutograd trace every op of every layer, so capture grows with depth
+    (0.35 s a llama-tiny layer on this CPU), while the layers are copies of one another.  Here each
+    layer of the model's largest list of repeated layers (:func:`~remat_plugin.runtime.fallback.find_layer_chain`)
+    runs, while the model is exported and traced, as one custom op ``remat_plugin::layer`` whose
+    autograd formula is a second op ``remat_plugin::layer_grad``: the model's joint graph holds two
+    nodes per layer call.  One layer of each kind is then exported and traced alone
+    (:meth:`RepeatedLayers.trace_templates`), and :meth:`RepeatedLayers.splice` replaces every call's
+    two nodes by a copy of that layer's forward and backward, reading the call's own parameters and
+    inputs.  The result is the joint graph a whole-model trace gives, op for op, and planning goes on
+    from it unchanged; the two ops never run.
+
+    Soundness rests on two checks.  Layers are "of one kind" when their forward, run once each on fake
+    tensors under a dispatch mode, issues the same ops with the same constants on the same (parameter,
+    input, earlier op) operands, on inputs of the same sizes, types and ``requires_grad``: AOTAutograd's
+    joint graph is a function of exactly that.  A layer whose forward differs (a per-layer scale, a
+    sliding window on every other layer) gets a template of its own.  Second, gradients of a layer
+    input that something other than that one layer call also reads (an encoder output read by every
+    decoder layer, a hidden state returned as an output) would be summed in another order than a
+    whole-model trace sums them; such a model is traced whole (:class:`NotSpliceable`), as are models
+    with hooks on their layers, buffers inside them, or autocast on.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, fx, nn
+
+from remat_plugin.errors import RematError
+from remat_plugin.torch_private import PlainAOTOutput, TangentAOTInput, TorchDispatchMode, aot_function, pytree
+
+log = logging.getLogger(__name__)
+
+
+class NotSpliceable(RematError):
+    """The model's layers cannot be traced once and spliced; it is traced whole instead."""
+
+
+_LEAF = object()  # stands for a tensor leaf among a call's non-tensor constants
+
+
+@dataclass
+class _Call:
+    """One layer call as the model's trace met it."""
+
+    owner: RepeatedLayers
+    layer: int  # index into owner.layers
+    spec: Any  # pytree spec of (args, kwargs)
+    constants: tuple  # the leaves, _LEAF where a tensor goes
+    requires_grad: tuple[bool, ...]  # of the tensor inputs
+    out_spec: Any = None
+    out_metas: list[tuple] | None = None  # (shape, stride, dtype, device) of each tensor output
+    out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves by flat position
+    n_out: int = 0
+    kind: int | None = None  # index into owner.templates, once fingerprinted
+    example: tuple | None = None  # (params, inputs) metas of the first time seen, for the template trace
+
+
+_CALLS: dict[int, _Call] = {}
+_call_ids = itertools.count()
+_inside: list[bool] = []  # a layer's own forward is running (the fingerprint, the template trace)
+
+
+def _unflatten_inputs(call: _Call, inputs: list[Tensor]) -> tuple[tuple, dict]:
+    it = iter(inputs)
+    leaves = [next(it) if c is _LEAF else c for c in call.constants]
+    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+    return args, kwargs
+
+
+class _Fingerprint(TorchDispatchMode):
+    """Every op a layer's forward issues, with its constants and where each tensor operand came from."""
+
+    def __init__(self, known: dict[int, tuple]):
+        super().__init__()
+        self.known = known
+        self.ops: list[tuple] = []
+        self.alive: list[Tensor] = []  # keeps ids unique while recording
+
+    def _describe(self, a):
+        if isinstance(a, Tensor):
+            return self.known.get(id(a), ("const", id(a)))
+        return repr(a)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        desc = pytree.tree_map(self._describe, (args, kwargs))
+        i = len(self.ops)
+        self.ops.append((str(func), repr(desc)))
+        for j, t in enumerate(pytree.tree_leaves(out)):
+            if isinstance(t, Tensor):
+                self.known[id(t)] = ("op", i, j)
+                self.alive.append(t)
+        return out
+
+
+@torch.library.custom_op("remat_plugin::layer", mutates_args=())
+def _layer_op(call_id: int, params: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
+    raise NotSpliceable("remat_plugin: a traced-once layer ran unspliced (NOTE [layers traced once]); report this")
+
+
+@_layer_op.register_fake
+def _layer_fake(call_id, params, inputs):
+    call = _CALLS[call_id]
+    if call.out_metas is None:
+        call.owner.fingerprint(call, params, inputs)
+    assert call.out_metas is not None
+    return [torch.empty_strided(s, st, dtype=d, device=dev) for s, st, d, dev in call.out_metas]
+
+
+@torch.library.custom_op("remat_plugin::layer_grad", mutates_args=())
+def _layer_grad_op(call_id: int, params: list[Tensor], inputs: list[Tensor],
+                   grads: list[Optional[Tensor]]) -> list[Tensor]:  # noqa: UP045 -- custom_op reads the annotation
+    raise NotSpliceable("remat_plugin: a traced-once layer ran unspliced (NOTE [layers traced once]); report this")
+
+
+def _wanted_grads(call: _Call) -> list[bool]:
+    owner = call.owner
+    return [*owner.param_requires_grad, *call.requires_grad]
+
+
+@_layer_grad_op.register_fake
+def _layer_grad_fake(call_id, params, inputs, grads):
+    call = _CALLS[call_id]
+    return [torch.empty_like(t) for t, w in zip([*params, *inputs], _wanted_grads(call)) if w]
+
+
+def _setup(ctx, inputs, output):
+    call_id, params, ins = inputs
+    ctx.call_id = call_id
+    ctx.n_params = len(params)
+    ctx.save_for_backward(*params, *ins)
+
+
+def _backward(ctx, grads):
+    saved = ctx.saved_tensors
+    params, ins = list(saved[: ctx.n_params]), list(saved[ctx.n_params :])
+    made = iter(torch.ops.remat_plugin.layer_grad(ctx.call_id, params, ins, list(grads)))
+    out = [next(made) if w else None for w in _wanted_grads(_CALLS[ctx.call_id])]
+    return None, out[: ctx.n_params], out[ctx.n_params :]
+
+
+_layer_op.register_autograd(_backward, setup_context=_setup)
+
+
+@dataclass
+class _Template:
+    """One kind of layer: its fingerprint, and once traced, its joint graph."""
+
+    fingerprint: tuple
+    first: _Call
+    joint: fx.GraphModule | None = None
+    num_fwd_outputs: int = 0
+
+
+class _Captured(Exception):
+    """Ends a template trace once AOTAutograd has handed over the joint graph."""
+
+
+class RepeatedLayers:
+    """The layers of one model traced once per kind (NOTE [layers traced once])."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        first = layers[0]
+        self.param_names = [n for n, _ in first.named_parameters()]
+        self.param_requires_grad = [p.requires_grad for _, p in first.named_parameters()]
+        self.templates: list[_Template] = []
+        self.calls: list[_Call] = []
+
+    @staticmethod
+    def of(module: nn.Module, min_layers: int = 2) -> RepeatedLayers | None:
+        """The repeated layers of ``module`` when they can be traced once, else None (traced whole)."""
+        from remat_plugin.runtime.fallback import find_layer_chain  # noqa: PLC0415 -- runtime imports capture
+
+        found = find_layer_chain(module)
+        if found is None or len(found[1]) < min_layers:
+            return None
+        layers = found[1]
+        first = layers[0]
+        shape = [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in first.named_parameters()]
+        for layer in layers:
+            if [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in layer.named_parameters()] != shape:
+                return None
+            if any(True for _ in layer.buffers()):
+                return None  # a buffer update inside the opaque op would go unseen
+            for m in layer.modules():
+                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                    return None
+        if torch.is_autocast_enabled() or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+            return None
+        return RepeatedLayers(layers)
+
+    @contextlib.contextmanager
+    def opaque(self) -> Iterator[None]:
+        """Inside, each layer's forward is one ``remat_plugin::layer`` op (for ``torch.export``)."""
+        saved = [layer.__dict__.get("forward") for layer in self.layers]
+        for index, layer in enumerate(self.layers):
+            layer.forward = self._opaque_forward(index, layer.forward)  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            for layer, fwd in zip(self.layers, saved):
+                if fwd is None:
+                    del layer.forward
+                else:
+                    layer.forward = fwd  # type: ignore[method-assign]
+
+    def _opaque_forward(self, index: int, original):
+        owner = self
+
+        def forward(*args, **kwargs):
+            if _inside:
+                return original(*args, **kwargs)
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            tensors = [x for x in leaves if isinstance(x, Tensor)]
+            call = _Call(owner, index, spec, tuple(_LEAF if isinstance(x, Tensor) else x for x in leaves),
+                         tuple(t.requires_grad for t in tensors))
+            call_id = next(_call_ids)
+            _CALLS[call_id] = call
+            owner.calls.append(call)
+            params = [p for _, p in owner.layers[index].named_parameters()]
+            outs = torch.ops.remat_plugin.layer(call_id, params, tensors)
+            it = iter(outs)
+            out_leaves = [call.out_constants[i] if i in call.out_constants else next(it) for i in range(call.n_out)]
+            return pytree.tree_unflatten(out_leaves, call.out_spec)
+
+        return forward
+
+    def fingerprint(self, call: _Call, params: list[Tensor], inputs: list[Tensor]) -> None:
+        """Run the call's own layer on fake tensors: its outputs' metadata, and which template it takes."""
+        known: dict[int, tuple] = {id(p): ("param", i) for i, p in enumerate(params)}
+        known.update({id(t): ("input", i) for i, t in enumerate(inputs)})
+        args, kwargs = _unflatten_inputs(call, inputs)
+        names = self.param_names
+        _inside.append(True)
+        try:
+            with _Fingerprint(known) as recorder:
+                out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
+                                                 strict=True)
+        finally:
+            _inside.pop()
+        out_leaves, call.out_spec = pytree.tree_flatten(out)
+        call.n_out = len(out_leaves)
+        call.out_constants = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, Tensor)}
+        outs = [x for x in out_leaves if isinstance(x, Tensor)]
+        if any(id(t) in known and known[id(t)][0] != "op" for t in outs):
+            raise NotSpliceable(f"layer {call.layer} returns one of its inputs or parameters")
+        call.out_metas = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in outs]
+        meta = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in [*params, *inputs])
+        key = (tuple(recorder.ops), meta, call.requires_grad, repr(call.spec), repr(call.constants))
+        for kind, template in enumerate(self.templates):
+            if template.fingerprint == key:
+                call.kind = kind
+                return
+        call.kind = len(self.templates)
+        call.example = ([(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in params],
+                        [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs])
+        self.templates.append(_Template(key, call))
+
+    def trace_templates(self) -> None:
+        """Export and trace one layer of each kind alone, keeping its joint graph."""
+        for template in self.templates:
+            if template.joint is None:
+                self._trace(template)
+
+    def _trace(self, template: _Template) -> None:
+        from remat_plugin.capture.export import export_module  # noqa: PLC0415 -- export imports this module
+
+        call = template.first
+        assert call.example is not None
+        layer = self.layers[call.layer]
+        _, input_metas = call.example
+        inputs = []
+        for (shape, stride, dtype, device), grad in zip(input_metas, call.requires_grad):
+            t = torch.zeros(shape, dtype=dtype, device=device).as_strided(shape, stride)
+            inputs.append(t.requires_grad_(grad))
+        args, kwargs = _unflatten_inputs(call, inputs)
+        _inside.append(True)
+        try:
+            gm = export_module(layer, args, kwargs).module()
+        finally:
+            _inside.pop()
+        names = self.param_names
+        params = [p for _, p in layer.named_parameters()]
+        got: dict[str, Any] = {}
+
+        def flat_fn(*flat):
+            state = dict(zip(names, flat[: len(names)]))
+            call_args, call_kwargs = _unflatten_inputs(call, list(flat[len(names) :]))
+            out = torch.func.functional_call(gm, state, call_args, call_kwargs, strict=False)
+            return tuple(x for x in pytree.tree_leaves(out) if isinstance(x, Tensor))
+
+        def capture(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
+            got["joint"], got["n"] = joint_gm, num_fwd_outputs
+            raise _Captured
+
+        traced = aot_function(flat_fn, fw_compiler=lambda g, _e: g, partition_fn=capture, enable_log=False)
+        try:
+            traced(*params, *inputs)
+        except _Captured:
+            pass
+        template.joint, template.num_fwd_outputs = got["joint"], got["n"]
+
+    def splice(self, joint_gm: fx.GraphModule) -> None:
+        """Replace every layer call's two nodes in ``joint_gm`` by its template's forward and backward."""
+        graph = joint_gm.graph
+        fwd_nodes = [n for n in graph.nodes if n.target is torch.ops.remat_plugin.layer.default]
+        grad_nodes = {n.args[0]: n for n in graph.nodes if n.target is torch.ops.remat_plugin.layer_grad.default}
+        if not fwd_nodes:
+            return
+        for node in fwd_nodes:
+            call = _CALLS[node.args[0]]
+            for arg, grad in zip(node.args[2], call.requires_grad):
+                readers = [u for u in arg.users if u is not node and u.target is not torch.ops.remat_plugin.layer_grad.default]
+                if grad and readers:
+                    raise NotSpliceable(f"an input of layer {call.layer} that takes a gradient is also read by "
+                                        f"{readers[0].name}; its gradients would be summed in another order")
+        for node in fwd_nodes:
+            call_id = node.args[0]
+            call = _CALLS[call_id]
+            assert call.kind is not None
+            template = self.templates[call.kind]
+            assert template.joint is not None
+            copied = self._splice_forward(graph, node, template)
+            grad = grad_nodes.get(call_id)
+            if grad is None:
+                raise NotSpliceable(f"layer {call.layer} was called without a backward")
+            self._splice_backward(graph, grad, template, copied)
+        graph.lint()
+        joint_gm.recompile()
+
+    def _template_parts(self, template: _Template):
+        assert template.joint is not None
+        nodes = list(template.joint.graph.nodes)
+        primals = [n for n in nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        tangents = [n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+        output = next(n for n in nodes if n.op == "output")
+        outs = list(output.args[0])
+        return nodes, primals, tangents, outs
+
+    def _splice_forward(self, graph: fx.Graph, node: fx.Node, template: _Template) -> dict[fx.Node, fx.Node]:
+        nodes, primals, _, outs = self._template_parts(template)
+        env: dict[fx.Node, Any] = dict(zip(primals, [*node.args[1], *node.args[2]]))
+        owner = graph.owning_module
+        with graph.inserting_before(node):
+            for n in nodes:
+                if n.op == "get_attr":
+                    name = f"_remat_layer_{id(template)}_{n.target}".replace(".", "_")
+                    if not hasattr(owner, name):
+                        setattr(owner, name, getattr(template.joint, n.target))  # type: ignore[arg-type]
+                    env[n] = graph.get_attr(name)
+                    env[n].meta = dict(n.meta)
+                elif n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward":
+                    env[n] = graph.node_copy(n, lambda a: env[a])
+        fwd_outs = outs[: template.num_fwd_outputs]
+        results = {cast_index(u): u for u in node.users}
+        for i, user in results.items():
+            user.replace_all_uses_with(env[fwd_outs[i]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        return env
+
+    def _splice_backward(self, graph: fx.Graph, node: fx.Node, template: _Template,
+                         env: dict[fx.Node, Any]) -> None:
+        nodes, _, tangents, outs = self._template_parts(template)
+        grads_in = list(node.args[3])
+        call = _CALLS[node.args[0]]
+        for tangent in tangents:  # each the gradient of one of the layer's outputs
+            desc = tangent.meta.get("desc")
+            if not (isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)):
+                raise NotSpliceable(f"layer {call.layer}'s template has a tangent of no plain output ({desc!r})")
+            i = desc.output.idx
+            if grads_in[i] is None:
+                raise NotSpliceable(f"output {i} of layer {call.layer} has no gradient")
+            env[tangent] = grads_in[i]
+        with graph.inserting_before(node):
+            for n in nodes:
+                if n.op != "call_function" or n in env:
+                    continue
+                env[n] = graph.node_copy(n, lambda a: env[a])
+        wanted = [g for g in outs[template.num_fwd_outputs :]]
+        made = [env[g] if isinstance(g, fx.Node) else None for g in wanted]
+        it = iter(m for m, w in zip(made, _wanted_grads(call)) if w)
+        results = {cast_index(u): u for u in node.users}
+        per_position = list(it)
+        for i, user in results.items():
+            value = per_position[i]
+            if value is None:
+                raise NotSpliceable(f"layer {call.layer}'s template made no gradient where the trace wants one")
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+        graph.erase_node(node)
+
+
+def cast_index(user: fx.Node) -> int:
+    if user.target is not operator.getitem:
+        raise NotSpliceable(f"a layer op's output is read whole by {user.name}")
+    return int(user.args[1])  # type: ignore[arg-type]
+
+

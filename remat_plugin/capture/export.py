@@ -8,7 +8,6 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from collections.abc import Callable
@@ -175,7 +174,7 @@ class ExecutionOptions:
     watch_outputs: bool = True
     # Trace one layer of each kind of the model's repeated layers and splice it in at every call
     # (NOTE [layers traced once]) instead of tracing every layer.
-    layers_once: bool = field(default_factory=lambda: os.environ.get("REMAT_LAYERS_ONCE", "0") == "1")
+    layers_once: bool = True
 
 
 EAGER = ExecutionOptions()
@@ -204,6 +203,7 @@ class CompiledStep:
     # Traces the step again with every layer, for a model whose layers turned out not to splice (NOTE [layers
     # traced once]); None once used, or where every layer was traced from the start.
     traced_whole: Callable[[], Callable] | None = None
+    model_name: str = ""
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -217,6 +217,9 @@ class CompiledStep:
                 SegmentedBackward.attach(call, flat_out)
         else:
             self.trace_started = time.perf_counter()
+            if self.traced_whole is not None and not (torch.is_grad_enabled() and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)):
+                self.fn, self.traced_whole = self.traced_whole(), None  # an inference graph: no joint to splice into
             if self.options.backward_segments > 1 and not self.options.compile and torch.is_grad_enabled():
                 inputs = ordered_first_call(inputs)  # NOTE [first call order]
             with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
@@ -225,8 +228,7 @@ class CompiledStep:
                 except NotSpliceable as exc:
                     if self.traced_whole is None:
                         raise
-                    log.warning("remat_plugin.capture: this model's layers could not be traced once (%s); tracing "
-                                "every layer", str(exc).splitlines()[0][:300])
+                    _traced_whole(self.model_name, exc)
                     self.fn, self.traced_whole = self.traced_whole(), None
                     flat_out = self.fn(*inputs)
             self.traced = True
@@ -259,6 +261,16 @@ class CompiledStep:
 
 
 LAYERS_META = "remat_plugin.repeated_layers"  # an exported module's RepeatedLayers, in its .meta
+_told_whole: set[tuple[str, str]] = set()
+
+
+def _traced_whole(model: str, exc: Exception) -> None:
+    """Say (once per model and reason) that a model's layers are traced one by one, and why."""
+    reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    if (model, reason) not in _told_whole:
+        _told_whole.add((model, reason))
+        log.warning("remat_plugin.capture: %s's repeated layers could not be traced once (%s); each layer is traced "
+                    "(planning takes longer, the plan is the same)", model, reason)
 
 
 def _export(module: nn.Module, args: tuple, kwargs: dict,
@@ -269,13 +281,11 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
         try:
             with layers.opaque():
                 gm = export_module(module, args, kwargs).module()
-            with traced_like_eager(options.backward_autocast):
-                layers.trace_templates()
+            layers.export_templates(export_module)
             gm.meta[LAYERS_META] = layers
             return gm, layers
         except (CaptureError, NotSpliceable) as exc:
-            log.warning("remat_plugin.capture: %s's layers could not be traced once (%s); tracing every layer",
-                        type(module).__name__, str(exc).splitlines()[0][:300])
+            _traced_whole(type(module).__name__, exc)
     return export_module(module, args, kwargs).module(), None
 
 
@@ -382,4 +392,5 @@ def build_step(
     step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=backward_program, partition_fn=partition_fn, enable_log=False)
     if layers is not None:
         step.traced_whole = traced_whole
+        step.model_name = type(module).__name__
     return step

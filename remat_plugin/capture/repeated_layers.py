@@ -29,17 +29,40 @@ import contextlib
 import itertools
 import logging
 import operator
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, fx, nn
 
 from remat_plugin.errors import RematError
-from remat_plugin.torch_private import PlainAOTOutput, TangentAOTInput, TorchDispatchMode, aot_function, pytree
+from remat_plugin.torch_private import (
+    FakeTensor,
+    PlainAOTOutput,
+    TangentAOTInput,
+    TorchDispatchMode,
+    aot_function,
+    pytree,
+)
 
 log = logging.getLogger(__name__)
+
+
+def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
+    """The repeated layers holding the most parameters: ``(qualified name, layers)``, or None."""
+    best: tuple[int, str, list[nn.Module]] | None = None
+    for name, child in module.named_modules():
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
+            continue
+        layers = list(child)
+        if len({type(m) for m in layers}) != 1:
+            continue
+        n_params = sum(p.numel() for m in layers for p in m.parameters())
+        if best is None or n_params > best[0]:
+            best = (n_params, name, layers)
+    return None if best is None else (best[1], best[2])
 
 
 class NotSpliceable(RematError):
@@ -66,7 +89,11 @@ class _Call:
     example: tuple | None = None  # (params, inputs) metas of the first time seen, for the template trace
 
 
-_CALLS: dict[int, _Call] = {}
+# Calls by id, as the two ops name them; each is held by its RepeatedLayers, which the exported module holds.
+_CALLS: weakref.WeakValueDictionary[int, _Call] = weakref.WeakValueDictionary()
+# Non-tensor arguments a layer call may carry into the opaque op: anything else (a cache object the layer
+# updates, a callable) could make the layer's behaviour differ from the template's without showing in its ops.
+_PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _call_ids = itertools.count()
 _inside: list[bool] = []  # a layer's own forward is running (the fingerprint, the template trace)
 
@@ -160,8 +187,37 @@ class _Template:
 
     fingerprint: tuple
     first: _Call
-    joint: fx.GraphModule | None = None
+    exported: fx.GraphModule | None = None  # the layer alone, exported
+    joint: fx.GraphModule | None = None  # its joint graph, traced in the fake mode ``mode``
+    mode: Any = None
     num_fwd_outputs: int = 0
+
+
+class _FreshMetas:
+    """Fake tensors of one spliced call, each on storage of its own (the template's storage for storage): copies of
+    one template node must not share a fake storage, or inductor would take layer 1's value for a view of layer 0's.
+    A template input's storage is the model's operand's, so views of a layer's inputs stay views of them."""
+
+    def __init__(self, mode: Any):
+        self.mode = mode
+        self.storages: dict[int, Any] = {}  # template storage (_cdata) -> the storage that stands for it here
+
+    def seed(self, template_val: Any, val: Any) -> None:
+        if isinstance(template_val, Tensor) and isinstance(val, Tensor):
+            self.storages[template_val.untyped_storage()._cdata] = val.untyped_storage()
+
+    def __call__(self, val: Any) -> Any:
+        if isinstance(val, (list, tuple)):
+            return type(val)(self(v) for v in val)
+        if not isinstance(val, Tensor):
+            return val
+        key = val.untyped_storage()._cdata
+        with self.mode if self.mode is not None else contextlib.nullcontext():
+            if key not in self.storages:
+                nbytes = val.untyped_storage().nbytes()
+                self.storages[key] = torch.empty(nbytes, dtype=torch.uint8, device=val.device).untyped_storage()
+            return torch.empty((0,), dtype=val.dtype, device=val.device).set_(
+                self.storages[key], val.storage_offset(), val.shape, val.stride())
 
 
 class _Captured(Exception):
@@ -182,8 +238,6 @@ class RepeatedLayers:
     @staticmethod
     def of(module: nn.Module, min_layers: int = 2) -> RepeatedLayers | None:
         """The repeated layers of ``module`` when they can be traced once, else None (traced whole)."""
-        from remat_plugin.runtime.fallback import find_layer_chain  # noqa: PLC0415 -- runtime imports capture
-
         found = find_layer_chain(module)
         if found is None or len(found[1]) < min_layers:
             return None
@@ -224,6 +278,10 @@ class RepeatedLayers:
             if _inside:
                 return original(*args, **kwargs)
             leaves, spec = pytree.tree_flatten((args, kwargs))
+            odd = [x for x in leaves if not isinstance(x, (Tensor, *_PLAIN_CONSTANTS))]
+            if odd:
+                raise NotSpliceable(f"layer {index} is called with a {type(odd[0]).__name__}, which its traced "
+                                    "template could not stand for")
             tensors = [x for x in leaves if isinstance(x, Tensor)]
             call = _Call(owner, index, spec, tuple(_LEAF if isinstance(x, Tensor) else x for x in leaves),
                          tuple(t.requires_grad for t in tensors))
@@ -269,31 +327,27 @@ class RepeatedLayers:
                         [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs])
         self.templates.append(_Template(key, call))
 
-    def trace_templates(self) -> None:
-        """Export and trace one layer of each kind alone, keeping its joint graph."""
+    def export_templates(self, export_module: Callable[[nn.Module, tuple, dict], torch.export.ExportedProgram]) -> None:
+        """Export (with ``export_module``) one layer of each kind alone; :meth:`splice` traces its joint graph."""
         for template in self.templates:
-            if template.joint is None:
-                self._trace(template)
+            if template.exported is None:
+                call = template.first
+                assert call.example is not None
+                _, input_metas = call.example
+                inputs = [torch.zeros(shape, dtype=dtype, device=device).as_strided(shape, stride).requires_grad_(grad)
+                          for (shape, stride, dtype, device), grad in zip(input_metas, call.requires_grad)]
+                args, kwargs = _unflatten_inputs(call, inputs)
+                _inside.append(True)
+                try:
+                    template.exported = export_module(self.layers[call.layer], args, kwargs).module()
+                finally:
+                    _inside.pop()
 
-    def _trace(self, template: _Template) -> None:
-        from remat_plugin.capture.export import export_module  # noqa: PLC0415 -- export imports this module
-
-        call = template.first
-        assert call.example is not None
-        layer = self.layers[call.layer]
-        _, input_metas = call.example
-        inputs = []
-        for (shape, stride, dtype, device), grad in zip(input_metas, call.requires_grad):
-            t = torch.zeros(shape, dtype=dtype, device=device).as_strided(shape, stride)
-            inputs.append(t.requires_grad_(grad))
-        args, kwargs = _unflatten_inputs(call, inputs)
-        _inside.append(True)
-        try:
-            gm = export_module(layer, args, kwargs).module()
-        finally:
-            _inside.pop()
-        names = self.param_names
-        params = [p for _, p in layer.named_parameters()]
+    def _trace(self, template: _Template, params: list[Tensor], inputs: list[Tensor]) -> None:
+        """The template's joint graph, traced on ``params`` and ``inputs``: fake tensors of the model's trace, so the
+        spliced nodes' metadata and the model's share one fake mode (inductor asserts they do)."""
+        gm, call, names = template.exported, template.first, self.param_names
+        assert gm is not None
         got: dict[str, Any] = {}
 
         def flat_fn(*flat):
@@ -308,103 +362,125 @@ class RepeatedLayers:
 
         traced = aot_function(flat_fn, fw_compiler=lambda g, _e: g, partition_fn=capture, enable_log=False)
         try:
-            traced(*params, *inputs)
+            with torch.enable_grad():  # AOTAutograd partitions under no_grad
+                traced(*params, *inputs)
         except _Captured:
             pass
+        if "joint" not in got:
+            raise NotSpliceable(f"layer {call.layer} has nothing to differentiate")
         template.joint, template.num_fwd_outputs = got["joint"], got["n"]
 
+    def _traced_for(self, graph: fx.Graph, fwd_nodes: list[fx.Node]) -> None:
+        """Trace each template the calls in ``fwd_nodes`` take, in the fake mode of ``graph``'s own metadata."""
+        vals = [n.meta.get("val") for n in graph.find_nodes(op="placeholder")]
+        mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
+        for node in fwd_nodes:
+            call = _CALLS[cast(int, node.args[0])]
+            template = self.templates[cast(int, call.kind)]
+            if template.joint is not None and template.mode is mode:
+                continue
+            examples = [cast(fx.Node, a).meta["val"] for a in [*cast(list, node.args[1]), *cast(list, node.args[2])]]
+            with mode if mode is not None else contextlib.nullcontext():
+                flat = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in examples]
+            for t, grad in zip(flat, _wanted_grads(call)):
+                t.requires_grad_(grad)
+            self._trace(template, flat[: len(self.param_names)], flat[len(self.param_names) :])
+            template.mode = mode
+
     def splice(self, joint_gm: fx.GraphModule) -> None:
-        """Replace every layer call's two nodes in ``joint_gm`` by its template's forward and backward."""
+        """Replace every layer call's two nodes in ``joint_gm`` by its template's forward and backward.
+
+        Raises :class:`NotSpliceable` (before changing the graph) where the result would not be the joint
+        graph a whole-model trace gives."""
         graph = joint_gm.graph
-        fwd_nodes = [n for n in graph.nodes if n.target is torch.ops.remat_plugin.layer.default]
-        grad_nodes = {n.args[0]: n for n in graph.nodes if n.target is torch.ops.remat_plugin.layer_grad.default}
-        if not fwd_nodes:
-            return
+        layer_op, grad_op = torch.ops.remat_plugin.layer.default, torch.ops.remat_plugin.layer_grad.default
+        fwd_nodes = list(graph.find_nodes(op="call_function", target=layer_op))
+        grad_nodes = {cast(int, n.args[0]): n for n in graph.find_nodes(op="call_function", target=grad_op)}
         for node in fwd_nodes:
-            call = _CALLS[node.args[0]]
-            for arg, grad in zip(node.args[2], call.requires_grad):
-                readers = [u for u in arg.users if u is not node and u.target is not torch.ops.remat_plugin.layer_grad.default]
-                if grad and readers:
-                    raise NotSpliceable(f"an input of layer {call.layer} that takes a gradient is also read by "
-                                        f"{readers[0].name}; its gradients would be summed in another order")
-        for node in fwd_nodes:
-            call_id = node.args[0]
-            call = _CALLS[call_id]
-            assert call.kind is not None
-            template = self.templates[call.kind]
-            assert template.joint is not None
-            copied = self._splice_forward(graph, node, template)
-            grad = grad_nodes.get(call_id)
-            if grad is None:
+            call = _CALLS[cast(int, node.args[0])]
+            if cast(int, node.args[0]) not in grad_nodes:
                 raise NotSpliceable(f"layer {call.layer} was called without a backward")
-            self._splice_backward(graph, grad, template, copied)
+            operands = [*cast(list, node.args[1]), *cast(list, node.args[2])]
+            for arg, grad in zip(operands, _wanted_grads(call)):
+                readers = [u for u in arg.users if u is not node and u is not grad_nodes[cast(int, node.args[0])]]
+                if grad and (readers or operands.count(arg) > 1):
+                    where = readers[0].name if readers else "this layer twice"
+                    raise NotSpliceable(f"{arg.name}, which layer {call.layer} differentiates, is also read by {where}; "
+                                        "its gradients would be summed in another order")
+        self._traced_for(graph, fwd_nodes)
+        for node in fwd_nodes:
+            call_id = cast(int, node.args[0])
+            template = self.templates[cast(int, _CALLS[call_id].kind)]
+            fresh = _FreshMetas(template.mode)
+            env = self._splice_forward(graph, node, template, fresh)
+            self._splice_backward(graph, grad_nodes[call_id], template, env, fresh)
         graph.lint()
         joint_gm.recompile()
 
-    def _template_parts(self, template: _Template):
+    @staticmethod
+    def _template_parts(template: _Template) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], list[Any]]:
         assert template.joint is not None
         nodes = list(template.joint.graph.nodes)
         primals = [n for n in nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
         tangents = [n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")]
         output = next(n for n in nodes if n.op == "output")
-        outs = list(output.args[0])
-        return nodes, primals, tangents, outs
+        return nodes, primals, tangents, list(cast(tuple, output.args[0]))
 
-    def _splice_forward(self, graph: fx.Graph, node: fx.Node, template: _Template) -> dict[fx.Node, fx.Node]:
+    def _splice_forward(self, graph: fx.Graph, node: fx.Node, template: _Template,
+                        fresh: _FreshMetas) -> dict[fx.Node, Any]:
         nodes, primals, _, outs = self._template_parts(template)
-        env: dict[fx.Node, Any] = dict(zip(primals, [*node.args[1], *node.args[2]]))
+        env: dict[fx.Node, Any] = dict(zip(primals, [*cast(list, node.args[1]), *cast(list, node.args[2])]))
+        for primal, operand in zip(primals, env.values()):
+            fresh.seed(primal.meta.get("val"), operand.meta.get("val"))
         owner = graph.owning_module
         with graph.inserting_before(node):
             for n in nodes:
-                if n.op == "get_attr":
+                if n.op == "get_attr":  # a constant of the template: the joint module gets it too
                     name = f"_remat_layer_{id(template)}_{n.target}".replace(".", "_")
                     if not hasattr(owner, name):
-                        setattr(owner, name, getattr(template.joint, n.target))  # type: ignore[arg-type]
+                        setattr(owner, name, getattr(template.joint, cast(str, n.target)))
                     env[n] = graph.get_attr(name)
                     env[n].meta = dict(n.meta)
                 elif n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward":
                     env[n] = graph.node_copy(n, lambda a: env[a])
-        fwd_outs = outs[: template.num_fwd_outputs]
-        results = {cast_index(u): u for u in node.users}
-        for i, user in results.items():
-            user.replace_all_uses_with(env[fwd_outs[i]])
+                    env[n].meta["val"] = fresh(n.meta.get("val"))
+        for user in list(node.users):
+            user.replace_all_uses_with(env[outs[_output_index(user)]])
             graph.erase_node(user)
         graph.erase_node(node)
         return env
 
-    def _splice_backward(self, graph: fx.Graph, node: fx.Node, template: _Template,
-                         env: dict[fx.Node, Any]) -> None:
+    def _splice_backward(self, graph: fx.Graph, node: fx.Node, template: _Template, env: dict[fx.Node, Any],
+                         fresh: _FreshMetas) -> None:
         nodes, _, tangents, outs = self._template_parts(template)
-        grads_in = list(node.args[3])
-        call = _CALLS[node.args[0]]
+        grads_in = cast(list, node.args[3])
+        call = _CALLS[cast(int, node.args[0])]
         for tangent in tangents:  # each the gradient of one of the layer's outputs
             desc = tangent.meta.get("desc")
             if not (isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)):
                 raise NotSpliceable(f"layer {call.layer}'s template has a tangent of no plain output ({desc!r})")
-            i = desc.output.idx
-            if grads_in[i] is None:
-                raise NotSpliceable(f"output {i} of layer {call.layer} has no gradient")
-            env[tangent] = grads_in[i]
+            if grads_in[desc.output.idx] is None:
+                raise NotSpliceable(f"output {desc.output.idx} of layer {call.layer} has no gradient")
+            env[tangent] = grads_in[desc.output.idx]
+            fresh.seed(tangent.meta.get("val"), env[tangent].meta.get("val"))
         with graph.inserting_before(node):
             for n in nodes:
-                if n.op != "call_function" or n in env:
-                    continue
-                env[n] = graph.node_copy(n, lambda a: env[a])
-        wanted = [g for g in outs[template.num_fwd_outputs :]]
-        made = [env[g] if isinstance(g, fx.Node) else None for g in wanted]
-        it = iter(m for m, w in zip(made, _wanted_grads(call)) if w)
-        results = {cast_index(u): u for u in node.users}
-        per_position = list(it)
-        for i, user in results.items():
-            value = per_position[i]
+                if n.op == "call_function" and n not in env:
+                    env[n] = graph.node_copy(n, lambda a: env[a])
+                    env[n].meta["val"] = fresh(n.meta.get("val"))
+        grads = outs[template.num_fwd_outputs :]  # one per primal: the parameters', then the inputs'
+        made = [env[g] if isinstance(g, fx.Node) else None for g, w in zip(grads, _wanted_grads(call)) if w]
+        for user in list(node.users):
+            value = made[_output_index(user)]
             if value is None:
-                raise NotSpliceable(f"layer {call.layer}'s template made no gradient where the trace wants one")
+                raise NotSpliceable(f"layer {call.layer}'s template makes no gradient where the model's trace wants one")
             user.replace_all_uses_with(value)
             graph.erase_node(user)
         graph.erase_node(node)
 
 
-def cast_index(user: fx.Node) -> int:
+def _output_index(user: fx.Node) -> int:
+    """Which output of a layer op ``user`` reads."""
     if user.target is not operator.getitem:
         raise NotSpliceable(f"a layer op's output is read whole by {user.name}")
     return int(user.args[1])  # type: ignore[arg-type]

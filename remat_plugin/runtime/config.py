@@ -34,6 +34,7 @@ ENV_VARIABLES = {
     "verbose": "REMAT_VERBOSE",
     "compile": "REMAT_COMPILE",
     "backward_segments": "REMAT_BACKWARD_SEGMENTS",
+    "trace_layers_once": "REMAT_TRACE_LAYERS_ONCE",
 }
 AUTO_BATCH_MODES = ("max", "throughput")
 
@@ -78,6 +79,9 @@ class RematConfig:
     # The planned backward hands autograd its gradients in up to this many steps as it goes, so DDP's buckets
     # all-reduce while it still computes (NOTE [segmented backward]); 1: every gradient at the end, in one node.
     backward_segments: int = MAX_SEGMENTS
+    # Capture traces one layer of each kind of the model's repeated layers and splices it in at every call, instead
+    # of tracing every layer (NOTE [layers traced once]); the plan is the same, planning deep models is faster.
+    trace_layers_once: bool = True
 
     def __post_init__(self) -> None:
         parse_budget(self.budget)  # raises BudgetFormatError naming the accepted forms
@@ -110,6 +114,9 @@ class RematConfig:
             raise ConfigError(option="verbose", value=self.verbose, reason=f"verbose {self.verbose!r} is not True or False")
         if not isinstance(self.compile, bool):
             raise ConfigError(option="compile", value=self.compile, reason=f"compile {self.compile!r} is not True or False")
+        if not isinstance(self.trace_layers_once, bool):
+            raise ConfigError(option="trace_layers_once", value=self.trace_layers_once,
+                              reason=f"trace_layers_once {self.trace_layers_once!r} is not True or False")
         if not _positive_int(self.backward_segments):
             raise ConfigError(option="backward_segments", value=self.backward_segments,
                               reason=f"backward_segments {self.backward_segments!r} "
@@ -197,7 +204,7 @@ def _from_text(name: str, text: str) -> Any:
             return low
         raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted=_AUTO_TEXTS,
                           fix=_unset_fix(name))
-    if name in ("verbose", "compile"):
+    if name in ("verbose", "compile", "trace_layers_once"):
         if low in _ON or low in _OFF:
             return low in _ON
         raise ConfigError(option=name, value=text, variable=ENV_VARIABLES[name], accepted="1, true or yes (on), or 0, "

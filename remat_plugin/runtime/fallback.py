@@ -26,21 +26,6 @@ from remat_plugin.torch_private import in_backward
 log = logging.getLogger(__name__)
 
 
-def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
-    """The repeated layers holding the most parameters: ``(qualified name, layers)``, or None."""
-    best: tuple[int, str, list[nn.Module]] | None = None
-    for name, child in module.named_modules():
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
-            continue
-        layers = list(child)
-        if len({type(m) for m in layers}) != 1:
-            continue
-        n_params = sum(p.numel() for m in layers for p in m.parameters())
-        if best is None or n_params > best[0]:
-            best = (n_params, name, layers)
-    return None if best is None else (best[1], best[2])
-
-
 def _checkpointed_forward(layer: nn.Module, forward):
     def run(*args, **kwargs):
         if not in_backward():  # the forward pass: buffers update as usual

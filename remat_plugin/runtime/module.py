@@ -41,7 +41,7 @@ class RematModule(nn.Module):
 
     def __init__(self, original: nn.Module, budget: int | str, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S, *,
                  caches: PlanningCaches | None = None, verbose: bool = True, compile: bool = False,
-                 backward_segments: int = MAX_SEGMENTS):
+                 backward_segments: int = MAX_SEGMENTS, trace_layers_once: bool = True):
         refuse_compiled(original, "rematerialize(module, ..., compile=True)")
         super().__init__()
         object.__setattr__(self, "original", original)
@@ -49,7 +49,8 @@ class RematModule(nn.Module):
         self.ilp_time_limit_s = ilp_time_limit_s
         object.__setattr__(self, "_resolver", StepResolver(
             original, PlanStore(original), caches or PROCESS_CACHES, ilp_time_limit_s=ilp_time_limit_s,
-            find_floor=True, plan_lazily=True, verbose=verbose, compile=compile, backward_segments=backward_segments))
+            find_floor=True, plan_lazily=True, verbose=verbose, compile=compile, backward_segments=backward_segments,
+            trace_layers_once=trace_layers_once))
         self.training = original.training
 
     # --- the original's state, unchanged -------------------------------------------------
@@ -132,6 +133,7 @@ def rematerialize(
     verbose: bool = True,
     compile: bool = False,
     backward_segments: int = MAX_SEGMENTS,
+    trace_layers_once: bool = True,
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 
@@ -145,8 +147,11 @@ def rematerialize(
     a module already wrapped in ``torch.compile`` is refused: pass the module itself with ``compile=True``.
     ``backward_segments``: the planned backward hands autograd its gradients in up to this many steps
     (DDP's buckets all-reduce meanwhile; NOTE [segmented backward]); 1 keeps it one autograd node.
+    ``trace_layers_once``: capture traces one layer of each kind of the model's repeated layers and splices it
+    in at every call (NOTE [layers traced once] in :mod:`remat_plugin.capture.repeated_layers`); False traces
+    every layer (the same plan, planned more slowly).
     """
     rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose, compile=compile,
-                     backward_segments=backward_segments)
+                     backward_segments=backward_segments, trace_layers_once=trace_layers_once)
     rm.prepare(tuple(args), dict(kwargs or {}))
     return rm

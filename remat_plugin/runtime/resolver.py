@@ -121,7 +121,7 @@ class StepResolver:
                  seq_bucket: BucketPolicy = None, find_floor: bool = False, plan_lazily: bool = False,
                  verbose: bool = False, report: Callable[[str], None] = announce,
                  on_new_plan: Callable[[Plan], None] | None = None, compile: bool = False,
-                 backward_segments: int = MAX_SEGMENTS):
+                 backward_segments: int = MAX_SEGMENTS, trace_layers_once: bool = True):
         self.module = module
         self.store = store
         self.caches = caches
@@ -141,7 +141,8 @@ class StepResolver:
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
         self.calibration = Calibration()
-        self.execution = ExecutionOptions(compile=compile, backward_segments=backward_segments)  # backward_autocast: learned (NOTE [output usage])
+        self.execution = ExecutionOptions(compile=compile, backward_segments=backward_segments,
+                                          layers_once=trace_layers_once)  # backward_autocast: learned (NOTE [output usage])
 
     @property
     def current_plan(self) -> Plan | None:

@@ -62,7 +62,8 @@ class RematSession:
         self.resolver = StepResolver(module, self.store, caches or PROCESS_CACHES,
                                      ilp_time_limit_s=self.config.ilp_time_limit_s, seq_bucket=self.config.seq_bucket,
                                      verbose=self.config.verbose, report=report, on_new_plan=on_new_plan,
-                                     compile=self.config.compile, backward_segments=self.config.backward_segments)
+                                     compile=self.config.compile, backward_segments=self.config.backward_segments,
+                                     trace_layers_once=self.config.trace_layers_once)
         self.agreement = RankAgreement(self.resolver)
         self._dispatch = Dispatcher(module, self._run)
 

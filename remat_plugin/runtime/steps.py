@@ -26,12 +26,13 @@ from remat_plugin.capture.export import EAGER, ExecutionOptions, OutputUsage, bu
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops
 from remat_plugin.capture.programs import emit_programs
+from remat_plugin.capture.repeated_layers import find_layer_chain
 from remat_plugin.errors import CaptureError, human_bytes
 from remat_plugin.ir.plan import Plan, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import InvalidScheduleError, simulate
 from remat_plugin.planning.choose_plan import PlannerCache, make_plan
-from remat_plugin.runtime.fallback import checkpointed_layers, fallback_plan, find_layer_chain
+from remat_plugin.runtime.fallback import checkpointed_layers, fallback_plan
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.torch_private import suspended_user_modes

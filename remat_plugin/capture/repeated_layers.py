@@ -4,24 +4,28 @@ joint graph of one layer is spliced in at every call.
 NOTE [layers traced once]
     ``torch.export`` and AOTAutograd trace every op of every layer, so capture grows with depth
     (0.35 s a llama-tiny layer on this CPU), while the layers are copies of one another.  Here each
-    layer of the model's largest list of repeated layers (:func:`~remat_plugin.runtime.fallback.find_layer_chain`)
-    runs, while the model is exported and traced, as one custom op ``remat_plugin::layer`` whose
-    autograd formula is a second op ``remat_plugin::layer_grad``: the model's joint graph holds two
-    nodes per layer call.  One layer of each kind is then exported and traced alone
-    (:meth:`RepeatedLayers.trace_templates`), and :meth:`RepeatedLayers.splice` replaces every call's
-    two nodes by a copy of that layer's forward and backward, reading the call's own parameters and
-    inputs.  The result is the joint graph a whole-model trace gives, op for op, and planning goes on
-    from it unchanged; the two ops never run.
+    layer of the model's largest list of repeated layers (:func:`find_layer_chain`) runs, while the
+    model is exported and traced, as one custom op ``remat_plugin::layer`` whose autograd formula is
+    a second op ``remat_plugin::layer_grad``: the model's joint graph holds two nodes per layer call.
+    One layer of each kind is exported alone (:meth:`RepeatedLayers.export_templates`), and
+    :meth:`RepeatedLayers.splice`, given the model's joint graph, traces that layer's joint graph on
+    fake tensors of the model's own fake mode and replaces every call's two nodes by a copy of it,
+    reading the call's own parameters and inputs.  The result is the joint graph a whole-model trace
+    gives, node for node (``tests/test_repeated_layers.py`` compares them), and planning goes on from
+    it unchanged; the two ops never run.  Each copy's values get fake storages of their own: copies
+    sharing one would tell inductor that layer 1's values alias layer 0's.
 
     Soundness rests on two checks.  Layers are "of one kind" when their forward, run once each on fake
     tensors under a dispatch mode, issues the same ops with the same constants on the same (parameter,
     input, earlier op) operands, on inputs of the same sizes, types and ``requires_grad``: AOTAutograd's
     joint graph is a function of exactly that.  A layer whose forward differs (a per-layer scale, a
-    sliding window on every other layer) gets a template of its own.  Second, gradients of a layer
-    input that something other than that one layer call also reads (an encoder output read by every
-    decoder layer, a hidden state returned as an output) would be summed in another order than a
-    whole-model trace sums them; such a model is traced whole (:class:`NotSpliceable`), as are models
-    with hooks on their layers, buffers inside them, or autocast on.
+    sliding window on every other layer) gets a template of its own.  Second, gradients of a value a
+    layer differentiates that something besides that one layer call also reads (an encoder output
+    read by every decoder layer, a hidden state also returned, a parameter two calls share) would be
+    summed in another order than a whole-model trace sums them; such a model is traced whole
+    (:class:`NotSpliceable`, said once as a warning), as are models with hooks or buffers in their
+    layers, layers called with non-tensor arguments other than plain constants, steps that
+    differentiate nothing, and captures under autocast.
 """
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ from remat_plugin.torch_private import (
     TangentAOTInput,
     TorchDispatchMode,
     aot_function,
+    fake_on_storage,
     pytree,
 )
 
@@ -213,15 +214,12 @@ class _FreshMetas:
     def __call__(self, val: Any) -> Any:
         if isinstance(val, (list, tuple)):
             return type(val)(self(v) for v in val)
-        if not isinstance(val, Tensor):
+        if not isinstance(val, FakeTensor):
             return val
         key = val.untyped_storage()._cdata
-        with self.mode if self.mode is not None else contextlib.nullcontext():
-            if key not in self.storages:
-                nbytes = val.untyped_storage().nbytes()
-                self.storages[key] = torch.empty(nbytes, dtype=torch.uint8, device=val.device).untyped_storage()
-            return torch.empty((0,), dtype=val.dtype, device=val.device).set_(
-                self.storages[key], val.storage_offset(), val.shape, val.stride())
+        made = fake_on_storage(self.mode, self.storages.get(key), val)
+        self.storages.setdefault(key, made.untyped_storage())
+        return made
 
 
 class _Captured(Exception):
@@ -418,8 +416,7 @@ class RepeatedLayers:
             fresh = _FreshMetas(template.mode)
             env = self._splice_forward(graph, node, template, fresh)
             self._splice_backward(graph, grad_nodes[call_id], template, env, fresh)
-        graph.lint()
-        joint_gm.recompile()
+        # No recompile: nothing runs the joint module's code, and the passes after this one regenerate it.
 
     @staticmethod
     def _template_parts(template: _Template) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], list[Any]]:

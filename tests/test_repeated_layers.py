@@ -180,3 +180,42 @@ def test_trace_layers_once_option_reads_its_variable():
     assert RematConfig.from_env({"REMAT_TRACE_LAYERS_ONCE": "0"}).trace_layers_once is False
     with pytest.raises(ConfigError, match="REMAT_TRACE_LAYERS_ONCE"):
         RematConfig.from_env({"REMAT_TRACE_LAYERS_ONCE": "sometimes"})
+
+
+class _Options:
+    """A Python object a layer reads: the opaque op could not carry it, so the model is traced whole."""
+
+    scale = 0.5
+
+
+class _TakesOptions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x, options):
+        return x + torch.relu(self.linear(x)) * options.scale
+
+
+class _OptionsStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_TakesOptions() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, _Options())
+        return x.square().mean()
+
+
+def test_a_layer_called_with_a_python_object_is_traced_whole_naming_it(caplog):
+    torch.manual_seed(0)
+    model = _OptionsStack().double()
+    x = torch.randn(64, 32, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        whole, _ = _joint(model, (x,), {}, once=False)
+        spliced, exported = _joint(model, (x,), {}, once=True)
+    assert LAYERS_META not in exported.meta
+    assert _canonical(spliced.gm) == _canonical(whole.gm)
+    said = [r.getMessage() for r in caplog.records if "could not be traced once" in r.getMessage()]
+    assert len(said) == 1 and "called with a _Options" in said[0], said

@@ -266,7 +266,8 @@ _told_whole: set[tuple[str, str]] = set()
 
 def _traced_whole(model: str, exc: Exception) -> None:
     """Say (once per model and reason) that a model's layers are traced one by one, and why."""
-    reason = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    reason = reason.split("NotSpliceable: ")[-1][:300]  # the reason itself, not export's wrapping of it
     if (model, reason) not in _told_whole:
         _told_whole.add((model, reason))
         log.warning("remat_plugin.capture: %s's repeated layers could not be traced once (%s); each layer is traced "
@@ -285,7 +286,9 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
             gm.meta[LAYERS_META] = layers
             return gm, layers
         except (CaptureError, NotSpliceable) as exc:
+            gm = export_module(module, args, kwargs).module()  # its error, if it fails too, is the one to see
             _traced_whole(type(module).__name__, exc)
+            return gm, None
     return export_module(module, args, kwargs).module(), None
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "activation_memory_budget",
     "any_autocast_enabled",
     "aot_function",
+    "autocast_devices",
     "autocast_disabled",
     "autocast_state",
     "compile_segment",
@@ -133,10 +134,15 @@ def without_donated_buffers(outputs: tuple) -> None:
             return
 
 
+def autocast_devices() -> list[str]:
+    """The device types autocast can be enabled for in this build."""
+    return list(torch._C._autocast_supported_devices())
+
+
 def autocast_state() -> tuple[tuple[str, str, bool], ...]:
     """The caller's autocast settings, per device type where enabled: ``(device, dtype, cache_enabled)``."""
     state = []
-    for device in torch._C._autocast_supported_devices():
+    for device in autocast_devices():
         if torch.is_autocast_enabled(device):
             state.append((device, str(torch.get_autocast_dtype(device)), bool(torch.is_autocast_cache_enabled())))
     return tuple(state)

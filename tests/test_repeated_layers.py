@@ -72,6 +72,47 @@ def test_spliced_joint_graph_is_the_whole_models_trace(name):
     assert not [n for n in spliced.gm.graph.nodes if "remat_plugin.layer" in str(n.target)]
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_spliced_joint_graph_under_bf16_autocast_is_the_whole_models_trace(name):
+    """Captured inside ``torch.autocast``: the templates are traced under the caller's autocast, so their casts are
+    the whole-model trace's (AOTAutograd itself partitions with autocast off)."""
+    bench = build(name)
+    args, kwargs = bench.make_batch(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole, _ = _joint(bench.module, args, kwargs, once=False)
+        spliced, exported = _joint(bench.module, args, kwargs, once=True)
+    assert LAYERS_META in exported.meta
+    assert any(n.target is torch.ops.aten._to_copy.default for n in spliced.gm.graph.nodes)
+    assert _canonical(spliced.gm) == _canonical(whole.gm)
+
+
+class _AutocastOffForOneLayer(nn.Module):
+    """Layer 2 runs with autocast off (as fp32 islands do): its fingerprint and template must be traced that way."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == 2:
+                with torch.autocast("cpu", enabled=False):
+                    x = torch.relu(layer(x.float()))
+            else:
+                x = torch.relu(layer(x))
+        return x.float().square().mean()
+
+
+def test_a_layer_called_where_the_model_turns_autocast_off_is_traced_so():
+    torch.manual_seed(0)
+    model, x = _AutocastOffForOneLayer(), torch.randn(128, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole, _ = _joint(model, (x,), {}, once=False)
+        spliced, exported = _joint(model, (x,), {}, once=True)
+    assert len(exported.meta[LAYERS_META].templates) >= 2  # the fp32 call is a kind of its own
+    assert _canonical(spliced.gm) == _canonical(whole.gm)
+
+
 class _ScaledLayer(nn.Module):
     """A layer whose forward depends on more than its parameters' shapes: a per-layer scale and, on odd layers, a
     different activation."""

@@ -24,8 +24,9 @@ NOTE [layers traced once]
     read by every decoder layer, a hidden state also returned, a parameter two calls share) would be
     summed in another order than a whole-model trace sums them; such a model is traced whole
     (:class:`NotSpliceable`, said once as a warning), as are models with hooks or buffers in their
-    layers, layers called with non-tensor arguments other than plain constants, steps that
-    differentiate nothing, and captures under autocast.
+    layers, layers called with non-tensor arguments other than plain constants, and steps that
+    differentiate nothing.  Under autocast the templates are traced under the caller's autocast, as the
+    model is (``tests/test_repeated_layers.py`` compares bf16 autocast traces too).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from remat_plugin.torch_private import (
     TangentAOTInput,
     TorchDispatchMode,
     aot_function,
+    autocast_devices,
     fake_on_storage,
     pytree,
 )
@@ -91,6 +93,9 @@ class _Call:
     out_constants: dict[int, Any] = field(default_factory=dict)  # non-tensor output leaves by flat position
     n_out: int = 0
     kind: int | None = None  # index into owner.templates, once fingerprinted
+    # Autocast where the layer was called (the caller's, or a region of the model's own): its fingerprint and its
+    # template are traced under it, since the op's fake kernel and AOTAutograd's partitioner run with autocast off.
+    autocast: tuple = ()
     example: tuple | None = None  # (params, inputs) metas of the first time seen, for the template trace
 
 
@@ -101,6 +106,24 @@ _CALLS: weakref.WeakValueDictionary[int, _Call] = weakref.WeakValueDictionary()
 _PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _call_ids = itertools.count()
 _inside: list[bool] = []  # a layer's own forward is running (the fingerprint, the template trace)
+
+
+def _autocast_now() -> tuple:
+    return tuple((device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
+                 for device in autocast_devices() if torch.is_autocast_enabled(device))
+
+
+@contextlib.contextmanager
+def _autocast_as(state: tuple) -> Iterator[None]:
+    """Autocast exactly as ``state`` (from :func:`_autocast_now`): on for its devices, off for the others."""
+    with contextlib.ExitStack() as stack:
+        on = {device for device, _, _ in state}
+        for device in autocast_devices():
+            if device not in on and torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        for device, dtype, cache in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+        yield
 
 
 def _unflatten_inputs(call: _Call, inputs: list[Tensor]) -> tuple[tuple, dict]:
@@ -254,8 +277,6 @@ class RepeatedLayers:
             for m in layer.modules():
                 if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
                     return None
-        if torch.is_autocast_enabled() or any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
-            return None
         return RepeatedLayers(layers)
 
     @contextlib.contextmanager
@@ -286,7 +307,7 @@ class RepeatedLayers:
                                     "template could not stand for")
             tensors = [x for x in leaves if isinstance(x, Tensor)]
             call = _Call(owner, index, spec, tuple(_LEAF if isinstance(x, Tensor) else x for x in leaves),
-                         tuple(t.requires_grad for t in tensors))
+                         tuple(t.requires_grad for t in tensors), autocast=_autocast_now())
             call_id = next(_call_ids)
             _CALLS[call_id] = call
             owner.calls.append(call)
@@ -306,7 +327,7 @@ class RepeatedLayers:
         names = self.param_names
         _inside.append(True)
         try:
-            with _Fingerprint(known) as recorder:
+            with _autocast_as(call.autocast), _Fingerprint(known) as recorder:
                 out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
                                                  strict=True)
         finally:
@@ -319,7 +340,7 @@ class RepeatedLayers:
             raise NotSpliceable(f"layer {call.layer} returns one of its inputs or parameters")
         call.out_metas = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in outs]
         meta = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device)) for t in [*params, *inputs])
-        key = (tuple(recorder.ops), meta, call.requires_grad, repr(call.spec), repr(call.constants))
+        key = (tuple(recorder.ops), meta, call.requires_grad, repr(call.spec), repr(call.constants), call.autocast)
         for kind, template in enumerate(self.templates):
             if template.fingerprint == key:
                 call.kind = kind
@@ -341,7 +362,8 @@ class RepeatedLayers:
                 args, kwargs = _unflatten_inputs(call, inputs)
                 _inside.append(True)
                 try:
-                    template.exported = export_module(self.layers[call.layer], args, kwargs).module()
+                    with _autocast_as(call.autocast):
+                        template.exported = export_module(self.layers[call.layer], args, kwargs).module()
                 finally:
                     _inside.pop()
 
@@ -364,7 +386,7 @@ class RepeatedLayers:
 
         traced = aot_function(flat_fn, fw_compiler=lambda g, _e: g, partition_fn=capture, enable_log=False)
         try:
-            with torch.enable_grad():  # AOTAutograd partitions under no_grad
+            with torch.enable_grad(), _autocast_as(call.autocast):  # AOTAutograd partitions under no_grad
                 traced(*params, *inputs)
         except _Captured:
             pass
@@ -404,7 +426,8 @@ class RepeatedLayers:
                 raise NotSpliceable(f"layer {call.layer} was called without a backward")
             operands = [*cast(list, node.args[1]), *cast(list, node.args[2])]
             for arg, grad in zip(operands, _wanted_grads(call)):
-                readers = [u for u in arg.users if u is not node and u is not grad_nodes[cast(int, node.args[0])]]
+                readers = [u for u in arg.users if u is not node and u.meta.get("partitioner_tag") == "is_forward"
+                           and u.target is not torch.ops.aten.detach.default]  # saved for a backward: no gradient
                 if grad and (readers or operands.count(arg) > 1):
                     where = readers[0].name if readers else "this layer twice"
                     raise NotSpliceable(f"{arg.name}, which layer {call.layer} differentiates, is also read by {where}; "

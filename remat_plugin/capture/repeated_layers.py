@@ -269,14 +269,19 @@ class RepeatedLayers:
         layers = found[1]
         first = layers[0]
         shape = [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in first.named_parameters()]
-        for layer in layers:
+        for index, layer in enumerate(layers):
+            why = None
             if [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in layer.named_parameters()] != shape:
+                why = "its parameters differ from layer 0's"
+            elif any(True for _ in layer.buffers()):
+                why = "it holds buffers, whose updates the opaque op would hide"
+            elif any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                     for m in layer.modules()):
+                why = "it has hooks, which run once in a traced template"
+            if why is not None:
+                log.debug("remat_plugin.capture: %s's layers are traced one by one: layer %d of %s %s",
+                          type(module).__name__, index, found[0], why)
                 return None
-            if any(True for _ in layer.buffers()):
-                return None  # a buffer update inside the opaque op would go unseen
-            for m in layer.modules():
-                if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
-                    return None
         return RepeatedLayers(layers)
 
     @contextlib.contextmanager

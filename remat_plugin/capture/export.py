@@ -384,15 +384,18 @@ def build_step(
         step.programs.append(program)
         return program
 
-    # enable_log=False: AOTAutograd would otherwise print the whole joint and fw/bw graphs to strings for its
-    # structured log at every capture (0.3-0.7 s on a 4-16-layer Llama), whether or not anyone reads the log.
-    def traced_whole() -> Callable:
-        """The step traced with every layer (a model whose layers turned out not to splice)."""
-        step.exported = export_module(module, args, kwargs).module()
+    def traced() -> Callable:
+        # enable_log=False: AOTAutograd would otherwise print the whole joint and fw/bw graphs to strings for its
+        # structured log at every capture (0.3-0.7 s on a 4-16-layer Llama), whether or not anyone reads the log.
         return aot_function(flat_fn, fw_compiler=boxed, bw_compiler=backward_program, partition_fn=partition_fn,
                             enable_log=False)
 
-    step.fn = aot_function(flat_fn, fw_compiler=boxed, bw_compiler=backward_program, partition_fn=partition_fn, enable_log=False)
+    def traced_whole() -> Callable:
+        """The step traced with every layer (a model whose layers turned out not to splice)."""
+        step.exported = export_module(module, args, kwargs).module()
+        return traced()
+
+    step.fn = traced()
     if layers is not None:
         step.traced_whole = traced_whole
         step.model_name = type(module).__name__

@@ -260,3 +260,26 @@ def test_a_layer_called_with_a_python_object_is_traced_whole_naming_it(caplog):
     assert _canonical(spliced.gm) == _canonical(whole.gm)
     said = [r.getMessage() for r in caplog.records if "could not be traced once" in r.getMessage()]
     assert len(said) == 1 and "called with a _Options" in said[0], said
+
+
+class _SlicedInputs(nn.Module):
+    """Each layer reads a slice of a wider tensor: an input whose storage is larger than its elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.widen = nn.Linear(32, 64)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(self.widen(x)[:, :32]))
+        return x.square().mean()
+
+
+def test_layer_inputs_that_view_a_wider_storage_are_spliced():
+    torch.manual_seed(0)
+    model, x = _SlicedInputs().double(), torch.randn(16, 32, dtype=torch.float64)
+    whole, _ = _joint(model, (x,), {}, once=False)
+    spliced, exported = _joint(model, (x,), {}, once=True)
+    assert LAYERS_META in exported.meta
+    assert _canonical(spliced.gm) == _canonical(whole.gm)

@@ -285,7 +285,7 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
             layers.export_templates(export_module)
             gm.meta[LAYERS_META] = layers
             return gm, layers
-        except (CaptureError, NotSpliceable) as exc:
+        except Exception as exc:  # noqa: BLE001 -- any failure of the opaque export: the whole export decides
             gm = export_module(module, args, kwargs).module()  # its error, if it fails too, is the one to see
             _traced_whole(type(module).__name__, exc)
             return gm, None
@@ -345,7 +345,12 @@ def build_step(
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
         spliced = step.exported.meta.get(LAYERS_META)
         if spliced is not None:
-            spliced.splice(joint_gm)  # NOTE [layers traced once]
+            try:
+                spliced.splice(joint_gm)  # NOTE [layers traced once]
+            except NotSpliceable:
+                raise
+            except Exception as exc:  # a failed splice retraces whole (said), never a wrong graph
+                raise NotSpliceable(f"splicing failed: {type(exc).__name__}: {exc}") from exc
         split_dropouts(joint_gm)  # NOTE [dropout masks]
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,

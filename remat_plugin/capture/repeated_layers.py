@@ -362,7 +362,7 @@ class RepeatedLayers:
                 call = template.first
                 assert call.example is not None
                 _, input_metas = call.example
-                inputs = [torch.zeros(shape, dtype=dtype, device=device).as_strided(shape, stride).requires_grad_(grad)
+                inputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(grad)
                           for (shape, stride, dtype, device), grad in zip(input_metas, call.requires_grad)]
                 args, kwargs = _unflatten_inputs(call, inputs)
                 _inside.append(True)

@@ -34,6 +34,7 @@ from torch import nn
 
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
+from remat_plugin.capture.forward_swap import ForwardSwap
 from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import OptionError, RematError, human_bytes
 from remat_plugin.integrations.checkpointing import settle_checkpointing
@@ -41,7 +42,6 @@ from remat_plugin.ir.plan import Plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import RematConfig
-from remat_plugin.runtime.forward_swap import ForwardSwap
 from remat_plugin.runtime.fsdp_units import FsdpRemat, leaf_units
 from remat_plugin.runtime.session import RematSession
 from remat_plugin.runtime.signature import BucketPolicy, describe

@@ -58,6 +58,7 @@ __all__ = [
     "aot_function",
     "autocast_devices",
     "autocast_disabled",
+    "autocast_settings",
     "autocast_state",
     "compile_segment",
     "extract_fwd_bwd_outputs",
@@ -139,13 +140,15 @@ def autocast_devices() -> list[str]:
     return list(torch._C._autocast_supported_devices())
 
 
+def autocast_settings() -> tuple[tuple[str, torch.dtype, bool], ...]:
+    """The caller's autocast, per device type where enabled: ``(device, dtype, cache_enabled)``, to enter again."""
+    return tuple((device, torch.get_autocast_dtype(device), bool(torch.is_autocast_cache_enabled()))
+                 for device in autocast_devices() if torch.is_autocast_enabled(device))
+
+
 def autocast_state() -> tuple[tuple[str, str, bool], ...]:
-    """The caller's autocast settings, per device type where enabled: ``(device, dtype, cache_enabled)``."""
-    state = []
-    for device in autocast_devices():
-        if torch.is_autocast_enabled(device):
-            state.append((device, str(torch.get_autocast_dtype(device)), bool(torch.is_autocast_cache_enabled())))
-    return tuple(state)
+    """:func:`autocast_settings` with dtypes as text (a signature key)."""
+    return tuple((device, str(dtype), cache) for device, dtype, cache in autocast_settings())
 
 
 def compile_segment(gm: torch.fx.GraphModule) -> Callable[[list], Any]:

@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from remat_plugin.bench.bench_model import BenchModel
+from remat_plugin.capture.forward_swap import swapped_forwards
 from remat_plugin.planning.baselines import sqrt_n_segments
-from remat_plugin.runtime.forward_swap import swapped_forwards
 from remat_plugin.torch_private import activation_memory_budget, reset_dynamo
 
 __all__ = [
@@ -181,7 +181,7 @@ def applicable_peers(bench: BenchModel, names) -> list[str]:
 # segment's first layer is replaced by one that checkpoints the whole segment (running the layers'
 # original forwards in order with the same extra arguments, the convention of BenchModel.layers),
 # and the other layers of the segment pass the hidden tensor through. The swap and its exact
-# restore are ``runtime.forward_swap``'s: only instance attributes are set, so the class's
+# restore are ``capture.forward_swap``'s: only instance attributes are set, so the class's
 # ``forward``, hooks and all, shows again on exit.
 
 

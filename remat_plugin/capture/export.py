@@ -228,7 +228,7 @@ class CompiledStep:
                 except NotSpliceable as exc:
                     if self.traced_whole is None:
                         raise
-                    _traced_whole(self.model_name, exc)
+                    _warn_traced_whole(self.model_name, exc)
                     self.fn, self.traced_whole = self.traced_whole(), None
                     flat_out = self.fn(*inputs)
             self.traced = True
@@ -264,7 +264,7 @@ LAYERS_META = "remat_plugin.repeated_layers"  # an exported module's RepeatedLay
 _told_whole: set[tuple[str, str]] = set()
 
 
-def _traced_whole(model: str, exc: Exception) -> None:
+def _warn_traced_whole(model: str, exc: Exception) -> None:
     """Say (once per model and reason) that a model's layers are traced one by one, and why."""
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     reason = reason.split("NotSpliceable: ")[-1][:300]  # the reason itself, not export's wrapping of it
@@ -287,7 +287,7 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
             return gm, layers
         except Exception as exc:  # noqa: BLE001 -- any failure of the opaque export: the whole export decides
             gm = export_module(module, args, kwargs).module()  # its error, if it fails too, is the one to see
-            _traced_whole(type(module).__name__, exc)
+            _warn_traced_whole(type(module).__name__, exc)
             return gm, None
     return export_module(module, args, kwargs).module(), None
 

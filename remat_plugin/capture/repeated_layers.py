@@ -31,6 +31,7 @@ NOTE [layers traced once]
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import operator
@@ -42,6 +43,7 @@ from typing import Any, Optional, cast
 import torch
 from torch import Tensor, fx, nn
 
+from remat_plugin.capture.forward_swap import swapped_forwards
 from remat_plugin.errors import RematError
 from remat_plugin.torch_private import (
     FakeTensor,
@@ -50,7 +52,10 @@ from remat_plugin.torch_private import (
     TorchDispatchMode,
     aot_function,
     autocast_devices,
+    autocast_settings,
     fake_on_storage,
+    is_primal,
+    is_tangent,
     pytree,
 )
 
@@ -96,7 +101,7 @@ class _Call:
     # Autocast where the layer was called (the caller's, or a region of the model's own): its fingerprint and its
     # template are traced under it, since the op's fake kernel and AOTAutograd's partitioner run with autocast off.
     autocast: tuple = ()
-    example: tuple | None = None  # (params, inputs) metas of the first time seen, for the template trace
+    example: list[tuple] | None = None  # (shape, stride, dtype, device) of each input, for the template's export
 
 
 # Calls by id, as the two ops name them; each is held by its RepeatedLayers, which the exported module holds.
@@ -108,14 +113,9 @@ _call_ids = itertools.count()
 _inside: list[bool] = []  # a layer's own forward is running (the fingerprint, the template trace)
 
 
-def _autocast_now() -> tuple:
-    return tuple((device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
-                 for device in autocast_devices() if torch.is_autocast_enabled(device))
-
-
 @contextlib.contextmanager
 def _autocast_as(state: tuple) -> Iterator[None]:
-    """Autocast exactly as ``state`` (from :func:`_autocast_now`): on for its devices, off for the others."""
+    """Autocast exactly as ``state`` (from :func:`autocast_settings`): on for its devices, off for the others."""
     with contextlib.ExitStack() as stack:
         on = {device for device, _, _ in state}
         for device in autocast_devices():
@@ -220,6 +220,15 @@ class _Template:
     mode: Any = None
     num_fwd_outputs: int = 0
 
+    @functools.cached_property
+    def parts(self) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], list[Any]]:
+        """The joint graph's nodes, its primals, its tangents and its outputs (read once it is traced)."""
+        assert self.joint is not None
+        nodes = list(self.joint.graph.nodes)
+        output = next(n for n in nodes if n.op == "output")
+        return (nodes, [n for n in nodes if is_primal(n)], [n for n in nodes if is_tangent(n)],
+                list(cast(tuple, output.args[0])))
+
 
 class _FreshMetas:
     """Fake tensors of one spliced call, each on storage of its own (the template's storage for storage): copies of
@@ -284,23 +293,12 @@ class RepeatedLayers:
                 return None
         return RepeatedLayers(layers)
 
-    @contextlib.contextmanager
-    def opaque(self) -> Iterator[None]:
+    def opaque(self) -> contextlib.AbstractContextManager[None]:
         """Inside, each layer's forward is one ``remat_plugin::layer`` op (for ``torch.export``)."""
-        saved = [layer.__dict__.get("forward") for layer in self.layers]
-        for index, layer in enumerate(self.layers):
-            layer.forward = self._opaque_forward(index, layer.forward)  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for layer, fwd in zip(self.layers, saved):
-                if fwd is None:
-                    del layer.forward
-                else:
-                    layer.forward = fwd  # type: ignore[method-assign]
+        return swapped_forwards(self.layers, self._opaque_forward)
 
-    def _opaque_forward(self, index: int, original):
-        owner = self
+    def _opaque_forward(self, layer: nn.Module, original: Callable) -> Callable:
+        owner, index = self, self.layers.index(layer)
 
         def forward(*args, **kwargs):
             if _inside:
@@ -312,7 +310,7 @@ class RepeatedLayers:
                                     "template could not stand for")
             tensors = [x for x in leaves if isinstance(x, Tensor)]
             call = _Call(owner, index, spec, tuple(_LEAF if isinstance(x, Tensor) else x for x in leaves),
-                         tuple(t.requires_grad for t in tensors), autocast=_autocast_now())
+                         tuple(t.requires_grad for t in tensors), autocast=autocast_settings())
             call_id = next(_call_ids)
             _CALLS[call_id] = call
             owner.calls.append(call)
@@ -351,8 +349,7 @@ class RepeatedLayers:
                 call.kind = kind
                 return
         call.kind = len(self.templates)
-        call.example = ([(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in params],
-                        [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs])
+        call.example = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs]
         self.templates.append(_Template(key, call))
 
     def export_templates(self, export_module: Callable[[nn.Module, tuple, dict], torch.export.ExportedProgram]) -> None:
@@ -361,9 +358,8 @@ class RepeatedLayers:
             if template.exported is None:
                 call = template.first
                 assert call.example is not None
-                _, input_metas = call.example
                 inputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(grad)
-                          for (shape, stride, dtype, device), grad in zip(input_metas, call.requires_grad)]
+                          for (shape, stride, dtype, device), grad in zip(call.example, call.requires_grad)]
                 args, kwargs = _unflatten_inputs(call, inputs)
                 _inside.append(True)
                 try:
@@ -398,6 +394,7 @@ class RepeatedLayers:
         if "joint" not in got:
             raise NotSpliceable(f"layer {call.layer} has nothing to differentiate")
         template.joint, template.num_fwd_outputs = got["joint"], got["n"]
+        template.__dict__.pop("parts", None)  # read from the new joint graph
 
     def _traced_for(self, graph: fx.Graph, fwd_nodes: list[fx.Node]) -> None:
         """Trace each template the calls in ``fwd_nodes`` take, in the fake mode of ``graph``'s own metadata."""
@@ -446,18 +443,9 @@ class RepeatedLayers:
             self._splice_backward(graph, grad_nodes[call_id], template, env, fresh)
         # No recompile: nothing runs the joint module's code, and the passes after this one regenerate it.
 
-    @staticmethod
-    def _template_parts(template: _Template) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], list[Any]]:
-        assert template.joint is not None
-        nodes = list(template.joint.graph.nodes)
-        primals = [n for n in nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-        tangents = [n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")]
-        output = next(n for n in nodes if n.op == "output")
-        return nodes, primals, tangents, list(cast(tuple, output.args[0]))
-
     def _splice_forward(self, graph: fx.Graph, node: fx.Node, template: _Template,
                         fresh: _FreshMetas) -> dict[fx.Node, Any]:
-        nodes, primals, _, outs = self._template_parts(template)
+        nodes, primals, _, outs = template.parts
         env: dict[fx.Node, Any] = dict(zip(primals, [*cast(list, node.args[1]), *cast(list, node.args[2])]))
         for primal, operand in zip(primals, env.values()):
             fresh.seed(primal.meta.get("val"), operand.meta.get("val"))
@@ -481,7 +469,7 @@ class RepeatedLayers:
 
     def _splice_backward(self, graph: fx.Graph, node: fx.Node, template: _Template, env: dict[fx.Node, Any],
                          fresh: _FreshMetas) -> None:
-        nodes, _, tangents, outs = self._template_parts(template)
+        nodes, _, tangents, outs = template.parts
         grads_in = cast(list, node.args[3])
         call = _CALLS[cast(int, node.args[0])]
         for tangent in tangents:  # each the gradient of one of the layer's outputs

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from remat_plugin.capture.forward_swap import swapped_forwards
 from remat_plugin.ir.plan import BlockChoice, Plan
-from remat_plugin.runtime.forward_swap import swapped_forwards
 from remat_plugin.runtime.side_effects import restored_buffers
 from remat_plugin.torch_private import in_backward
 

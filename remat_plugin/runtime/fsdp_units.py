@@ -57,6 +57,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from remat_plugin.capture.export import ExecutionOptions
+from remat_plugin.capture.forward_swap import ForwardSwap
 from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
@@ -66,7 +67,6 @@ from remat_plugin.planning.choose_plan import chained_plan, make_plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.budget import parse_budget
-from remat_plugin.runtime.forward_swap import ForwardSwap
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, captured_problem, replay_step

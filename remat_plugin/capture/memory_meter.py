@@ -47,7 +47,8 @@ from typing_extensions import Self  # a torch dependency; typing.Self needs Pyth
 
 from remat_plugin.torch_private import FakeTensor, FunctionalTensor, TorchDispatchMode, pytree
 
-__all__ = ["PeakMeter", "StorageTracker", "allocator_trace", "measure_peak", "measure_peak_profiler", "memory_profile"]
+__all__ = ["PeakMeter", "StorageTracker", "allocator_trace", "measure_peak", "measure_peak_profiler", "memory_profile",
+           "warm_backward_workspaces"]
 
 
 class StorageTracker(TorchDispatchMode):
@@ -208,6 +209,48 @@ def _native_stderr_silenced() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
+
+
+class _WarmWorkspaces(torch.autograd.Function):
+    """Identity whose backward runs the matrix products a planned backward runs (recomputed forwards included)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        w = torch.ones(16, 16, device=grad.device, dtype=grad.dtype)
+        torch.addmm(w, w, w)  # cuBLASLt's workspace (a bias epilogue)
+        torch.mm(w, w)  # cuBLAS's
+        torch.bmm(w[None], w[None])
+        return grad
+
+
+_warmed_devices: set[torch.device] = set()
+
+
+def warm_backward_workspaces(device: torch.device | str) -> None:
+    """Allocate, once per device, the cuBLAS workspaces of autograd's backward thread, before anything is metered.
+
+    cuBLAS keeps a workspace per thread and stream, allocated through the caching allocator at its first
+    product there and kept for the process (32 MiB on Hopper).  A CUDA backward runs on autograd's own
+    device thread, so the first backward of a process allocated it inside the first metered step (an H200
+    measured 31-33 MiB above the plan there, and only there), and calibration took that one-time block
+    for the plan's.  No-op off CUDA.
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    if dev in _warmed_devices:
+        return
+    with torch.enable_grad():
+        for dtype in (torch.float32, torch.float64) + ((torch.bfloat16,) if torch.cuda.is_bf16_supported() else ()):
+            x = torch.zeros(16, 16, device=dev, dtype=dtype, requires_grad=True)
+            torch.autograd.grad(_WarmWorkspaces.apply(x).sum(), x)
+    torch.cuda.synchronize(dev)
+    _warmed_devices.add(dev)
 
 
 @contextlib.contextmanager

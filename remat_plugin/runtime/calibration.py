@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.export import EAGER
-from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
+from remat_plugin.capture.memory_meter import allocator_trace, memory_profile, warm_backward_workspaces
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime import dist
@@ -73,6 +73,7 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
             torch.autograd.grad(loss if loss is not None else roots[0].sum(), params, allow_unused=True)
         return True
 
+    warm_backward_workspaces(call.device)  # a one-time cuBLAS block is not the plan's
     try:
         # The allocator's own events on CPU and CUDA alike: unlike max_memory_allocated, reading them resets
         # none of the caller's peak statistics.

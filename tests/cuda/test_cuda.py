@@ -49,6 +49,39 @@ def _peak(module, bench, batch):
     return meter.peak_bytes
 
 
+# Eager BatchNorm runs cuDNN's kernels on CUDA; the traced step runs PyTorch's native ones
+# (``_native_batch_norm_legit``), which reduce in another order: equal to eager's bitwise with cuDNN off, within
+# float64 rounding with it on (an H200 run).
+NATIVE_BATCH_NORM = {"resnet-tiny"}
+
+
+def test_first_backward_of_the_process_is_not_read_as_the_plan():
+    """cuBLAS allocates a workspace per thread at its first product there (64 MiB on an H200), and a CUDA
+    backward runs on autograd's device thread: when a plan's metered step is the process's first backward,
+    calibration must not take that one-time block for the plan's (it did, and re-planned 33 MiB lower)."""
+    import subprocess
+    import sys
+
+    code = """
+import logging, torch
+from torch import nn
+from remat_plugin import rematerialize
+from remat_plugin.ir.plan import budget_for_peak
+logging.basicConfig(level=logging.WARNING)
+torch.manual_seed(0)
+model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.GELU())]).cuda()
+x = torch.randn(512, 512, device="cuda")
+first = rematerialize(model, (x,), {}, budget=10**12).plan
+budget = (first.min_feasible_bytes + budget_for_peak(first.baseline_peak_bytes)) // 2
+rm = rematerialize(model, (x,), {}, budget=budget)
+rm(x).sum().backward()
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    assert "calibration: measured peak" not in out.stderr, out.stderr[-3000:]
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     was = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
@@ -75,8 +108,13 @@ def test_exact_within_budget_and_predicted(name):
         _step(ref.module, ref, batch)
         rows.append((i, budget, measured, rm.plan.predicted_peak_bytes))
         loss, loss_ref = _step(rm, a, batch), _step(ref.module, ref, batch)
-        assert torch.equal(loss, loss_ref), (i, loss, loss_ref)
-        assert_same_grads_and_buffers(a.module, ref.module, f"budget {i}")
+        if name in NATIVE_BATCH_NORM:
+            torch.testing.assert_close(loss, loss_ref, rtol=1e-12, atol=0)
+            for (pname, p), q in zip(a.module.named_parameters(), ref.module.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=lambda m, pname=pname: f"{pname}: {m}")
+        else:
+            assert torch.equal(loss, loss_ref), (i, loss, loss_ref)
+            assert_same_grads_and_buffers(a.module, ref.module, f"budget {i}")
     print(f"{name} (budget, measured, predicted):", rows)  # every point in the log, also when one fails
     assert all(measured <= budget for _, budget, measured, _ in rows), rows
     assert all(abs(predicted - measured) <= 0.10 * measured for _, _, measured, predicted in rows), rows

@@ -93,14 +93,16 @@ def sqrt_n_schedule(problem: Problem, constants: set[str], blocks: list[Block] |
 # --------------------------------------------------------------------------------------- Rotor
 
 
-def rotor_planner(problem: Problem, constants: set[str], n_slots: int = 500) -> Planner:
+def rotor_planner(problem: Problem, constants: set[str], n_slots: int = 500,
+                  blocks: list[Block] | None = None) -> Planner:
     """A :class:`Planner` whose block menus hold only the keep-everything option (pure Rotor).
 
     Built by hand instead of with ``Planner.prepare`` (which would solve the block ILPs); the
     chain blocks are made by the planner's own ``_chain_block`` so sizes agree with rk-Rotor.
+    ``blocks``: the problem's blocks where a planner already made them.
     """
     planner = Planner(problem, constants, n_slots=n_slots)
-    planner.blocks = make_blocks(problem, constants)
+    planner.blocks = make_blocks(problem, constants) if blocks is None else list(blocks)
     planner.menus = [(block_option(b.problem, Schedule.keep_all(b.problem)),) for b in planner.blocks]
     planner.chain = [planner._chain_block(b, m) for b, m in zip(planner.blocks, planner.menus)]
     planner.n_unique = len({b.key for b in planner.blocks})
@@ -124,13 +126,15 @@ def _fit_budget(planner: Planner, problem: Problem, budget_bytes: int) -> tuple[
 
 
 def rotor_schedule(
-    problem: Problem, constants: set[str], budget_bytes: int, planner: Planner | None = None
+    problem: Problem, constants: set[str], budget_bytes: int, planner: Planner | None = None,
+    blocks: list[Block] | None = None,
 ) -> Schedule | None:
     """Pure Rotor within ``budget_bytes`` (simulated peak), or None when nothing fits.
 
-    ``planner`` (from :func:`rotor_planner`) may be passed to reuse it across budgets.
+    ``planner`` (from :func:`rotor_planner`) may be passed to reuse it across budgets; ``blocks``, the
+    problem's blocks, to build one without segmenting the graph again.
     """
-    planner = rotor_planner(problem, constants) if planner is None else planner
+    planner = rotor_planner(problem, constants, blocks=blocks) if planner is None else planner
     found = _fit_budget(planner, problem, budget_bytes)
     return None if found is None else found[0]
 

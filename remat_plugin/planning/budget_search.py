@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from remat_plugin.ir.problem import Schedule
-from remat_plugin.ir.simulate import Simulation, simulate
+from remat_plugin.ir.simulate import Simulation
 from remat_plugin.planning.menus import Planner
 from remat_plugin.planning.solvers.chain import ChainAction, ChainPlan
 
@@ -75,8 +75,7 @@ def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float =
             faster = sorted((i for i in range(len(menu)) if menu[i].bwd_ms < menu[o].bwd_ms), key=lambda i: menu[i].bwd_ms)
             for i in faster:
                 cp = _swap_option(best[2], k, i)
-                sched = planner.assemble(cp)
-                sim = simulate(planner.problem, sched)
+                sched, sim = planner.evaluate(cp)
                 if fits(sim) and sim.time_ms < best[1].time_ms:
                     best, improved = (sched, sim, cp), True
                     break
@@ -139,8 +138,7 @@ def _descend(planner: Planner, best, cost: Callable[[Simulation], object], block
                 if i == chosen[k]:
                     continue
                 cp = _swap_option(best[2], k, i)
-                sched = planner.assemble(cp)
-                sim = simulate(planner.problem, sched)
+                sched, sim = planner.evaluate(cp)
                 if cost(sim) < cost(best[1]):  # type: ignore[operator]
                     best, improved = (sched, sim, cp), True
                     break

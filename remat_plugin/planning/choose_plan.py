@@ -14,7 +14,7 @@ from collections import OrderedDict
 from remat_plugin.errors import InfeasibleBudgetError, human_bytes
 from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
-from remat_plugin.ir.simulate import simulate
+from remat_plugin.ir.simulate import Simulation, simulate
 from remat_plugin.planning.baselines import rotor_schedule, sqrt_n_schedule
 from remat_plugin.planning.budget_search import (
     ScheduleCandidate,
@@ -108,6 +108,17 @@ def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time
     t_menus = time.perf_counter()
     planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s, progress)
     t_search = time.perf_counter()
+    try:
+        return _search(problem, constants, planner, base, keep_all, user_budget_bytes, budget_bytes, calibration_bytes,
+                       t0, t_menus, t_search)
+    finally:
+        planner.end_search()
+
+
+def _search(problem: Problem, constants: set[str], planner: Planner, base: Simulation, keep_all: Schedule,
+            user_budget_bytes: int, budget_bytes: int, calibration_bytes: int, t0: float, t_menus: float,
+            t_search: float) -> tuple[Plan, Schedule]:
+    """:func:`make_plan`'s search once the menus are ready."""
     floor = lowest_peak(planner)
 
     def needed(peak_bytes: int) -> int:
@@ -177,6 +188,18 @@ def chained_plan(problem: Problem, constants: set[str], calls: int, slack_bytes:
     base = simulate(problem, Schedule.keep_all(problem))
     planner = (planners or PlannerCache(max_entries=1)).prepared(problem, constants, ilp_time_limit_s)
     t_search = time.perf_counter()
+    try:
+        chosen = _chained_search(problem, planner, base, calls, slack_bytes, lowest)
+    finally:
+        planner.end_search()
+    budget = budget_for_peak(chosen[1].peak_bytes)
+    return _as_plan(planner, base, chosen, budget, budget - safety_margin(budget), budget, t0,
+                    (("block menus", t_search - t0), ("budget search", time.perf_counter() - t_search)))
+
+
+def _chained_search(problem: Problem, planner: Planner, base: Simulation, calls: int, slack_bytes: int | None,
+                    lowest: Plan | None) -> ScheduleCandidate:
+    """:func:`chained_plan`'s search once the menus are ready."""
     if slack_bytes is None or lowest is None:
         found = lowest_chained(planner, calls)
         chosen: ScheduleCandidate = found if found is not None else (Schedule.keep_all(problem), base, None)
@@ -191,9 +214,7 @@ def chained_plan(problem: Problem, constants: set[str], calls: int, slack_bytes:
         start = next((c for c in (planner.lowest, *planner.chosen) if c is not None and c[0] == low_schedule),
                      (low_schedule, low, None))
         chosen = fastest_chained(planner, fits, start)
-    budget = budget_for_peak(chosen[1].peak_bytes)
-    return _as_plan(planner, base, chosen, budget, budget - safety_margin(budget), budget, t0,
-                    (("block menus", t_search - t0), ("budget search", time.perf_counter() - t_search)))
+    return chosen
 
 
 def _faster(a: ScheduleCandidate | None, b: ScheduleCandidate | None) -> ScheduleCandidate | None:
@@ -211,7 +232,7 @@ def portfolio(problem: Problem, constants: set[str], planner: Planner, budget_by
     costs one DP and two simulations, and makes "never worse than Rotor or sqrt(n)" a guarantee.
     """
     candidates = [sqrt_n_schedule(problem, constants, planner.blocks)]
-    rotor = rotor_schedule(problem, constants, budget_bytes)
+    rotor = rotor_schedule(problem, constants, budget_bytes, blocks=planner.blocks)
     if rotor is not None:
         candidates.append(rotor)
     for sched in candidates:

@@ -197,7 +197,7 @@ class _SlotChain:
     delta: np.ndarray  # [n+1], delta[n] = 0 (the loss x_n plays δ_n)
     pg_prefix: np.ndarray  # [n+1], sum of rounded param grads of blocks < j
     none_eff: np.ndarray  # [n], transient of fwd_none
-    none_ms_prefix: np.ndarray  # [n+1]
+    none_ms: np.ndarray  # [n], fwd_none time per block
     kept: list[np.ndarray]  # per block, per option
     fwd_eff: list[np.ndarray]
     bwd_eff: list[np.ndarray]
@@ -232,7 +232,7 @@ def _slot_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -
     return _SlotChain(
         x=x, delta=delta, pg_prefix=np.concatenate([[0], np.cumsum(pg)]).astype(np.int64),
         none_eff=none_eff,
-        none_ms_prefix=np.concatenate([[0.0], np.cumsum([b.none_fwd_ms for b in blocks])]),
+        none_ms=np.array([b.none_fwd_ms for b in blocks], dtype=np.float64),
         kept=kept, fwd_eff=fwd_eff, bwd_eff=bwd_eff, fb_ms=fb_ms)
 
 
@@ -254,6 +254,30 @@ def _chain_none_peaks(c: _SlotChain, s: int, hi: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- DP
 
 
+# NOTE [equal sub-chains]
+#     ``C(s, t, ·)`` depends only on blocks ``s..t`` in slots (their sizes, options and times), on
+#     ``δ_{t+1}``, and, where ``t`` is the last block, on the loss ``x_n``: every other quantity
+#     it reads is a difference of prefix sums within ``s..t+1``.  A model's repeated layers make
+#     the same blocks again and again, so most sub-chains equal one solved before; each is
+#     given a key (equal keys, equal inputs) and solved once.  Times are summed from ``s`` (never as
+#     differences of global prefix sums), so a reused row is bitwise the one it stands for.
+def _subchain_keys(c: _SlotChain, n: int) -> np.ndarray:
+    """``keys[s, t]``: equal for sub-chains ``s..t`` whose DP rows are equal (NOTE [equal sub-chains])."""
+    block_ids: dict[tuple, int] = {}
+    sig = [block_ids.setdefault(
+        (c.fwd_eff[i].tobytes(), c.bwd_eff[i].tobytes(), c.kept[i].tobytes(), c.fb_ms[i].tobytes(), int(c.x[i + 1]),
+         int(c.delta[i]), int(c.pg_prefix[i + 1] - c.pg_prefix[i]), int(c.none_eff[i]), float(c.none_ms[i])),
+        len(block_ids)) for i in range(n)]
+    ids: dict[tuple, int] = {}
+    ends = [ids.setdefault(("end", int(c.delta[t + 1]), int(c.x[n]) if t == n - 1 else -1), len(ids)) for t in range(n)]
+    keys = np.full((n, n), -1, dtype=np.int64)
+    for s in range(n - 1, -1, -1):
+        for t in range(s, n):
+            rest = int(keys[s + 1, t]) if s < t else ends[t]
+            keys[s, t] = ids.setdefault((sig[s], rest), len(ids))
+    return keys
+
+
 def _case1_at(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np.ndarray) -> np.ndarray:
     """Case (1) times, one row per option of block ``s``, at free-slot counts ``m``.
 
@@ -272,7 +296,7 @@ def _none_penalty(c: _SlotChain, s: int, n: int, m: np.ndarray) -> np.ndarray:
     One row per ``s' = s+1..n-1``; independent of ``t``, so built once per ``s``.
     """
     peaks = _chain_none_peaks(c, s, n)[:n - 1 - s]
-    recompute_ms = c.none_ms_prefix[s + 1:n] - c.none_ms_prefix[s]
+    recompute_ms = np.cumsum(c.none_ms[s:n - 1])  # summed from s, so equal sub-chains get equal sums
     return np.where(m[None, :] >= peaks[:, None], recompute_ms[:, None], _INF)
 
 
@@ -288,16 +312,23 @@ def _solve_tables(c: _SlotChain, n: int, m_slots: int) -> tuple[np.ndarray, np.n
     root = np.full(width, _INF)
     # E_s[s'][w] reads C(s, s'-1, ·) at w + pg(<s') - δ_{s'}: index 0 of [inf, C...] below 0, C(M) above M
     e_gather = [np.clip(w_range + c.pg_prefix[j] - c.delta[j] + 1, 0, width) for j in range(n)]
+    keys = _subchain_keys(c, n)
+    solved: dict[int, np.ndarray] = {}  # C(s, t, ·) per sub-chain key (NOTE [equal sub-chains])
     for s in range(n - 1, -1, -1):
         e_tables = np.empty((n, len(w_range)))  # [s', w] = C(s, s'-1, w + pg(<s') - δ_{s'})
-        penalty = _none_penalty(c, s, n, m_range)
+        penalty = None
         for t in range(s, n):
-            best = _case1_at(c, n, d_tables, s, t, m_range).min(axis=0)
-            if s < t:
-                off = int(c.delta[t + 1] - c.pg_prefix[t + 1]) - w_lo
-                cand2 = d_tables[t, s + 1:t + 1] + e_tables[s + 1:t + 1, off:off + width]
-                cand2 += penalty[:t - s]
-                best = np.minimum(best, cand2.min(axis=0))
+            best = solved.get(int(keys[s, t]))
+            if best is None:
+                best = _case1_at(c, n, d_tables, s, t, m_range).min(axis=0)
+                if s < t:
+                    if penalty is None:
+                        penalty = _none_penalty(c, s, n, m_range)
+                    off = int(c.delta[t + 1] - c.pg_prefix[t + 1]) - w_lo
+                    cand2 = d_tables[t, s + 1:t + 1] + e_tables[s + 1:t + 1, off:off + width]
+                    cand2 += penalty[:t - s]
+                    best = np.minimum(best, cand2.min(axis=0))
+                solved[int(keys[s, t])] = best
             d_tables[t, s, :min(c.x[s], width)] = _INF
             d_tables[t, s, c.x[s]:] = best[:max(width - c.x[s], 0)]
             if t + 1 < n:
@@ -406,9 +437,14 @@ def _min_peak_slots(c: _SlotChain, n: int) -> int:
     budget exists for ``C(s, t, m)`` exactly when ``m ≥ P(s, t)``.
     """
     p = np.zeros((n, n), dtype=np.int64)
+    keys = _subchain_keys(c, n)
+    solved: dict[int, int] = {}  # P(s, t) per sub-chain key (NOTE [equal sub-chains])
     for s in range(n - 1, -1, -1):
         none_peaks = _chain_none_peaks(c, s, n)
         for t in range(s, n):
+            if int(keys[s, t]) in solved:
+                p[s, t] = solved[int(keys[s, t])]
+                continue
             need = _option_thresholds(c, n, s, t)
             if s < t:
                 need = np.maximum(need, c.x[s + 1] + c.kept[s] + p[s + 1, t])
@@ -419,7 +455,7 @@ def _min_peak_slots(c: _SlotChain, n: int) -> int:
                 need2 = np.maximum(np.maximum(none_peaks[:t - s], c.x[s_ckpt] + p[s_ckpt, t]),
                                    p[s, s_ckpt - 1] - shift)
                 best = min(best, int(need2.min()))
-            p[s, t] = best
+            p[s, t] = solved[int(keys[s, t])] = best
     return int(max(p[0, n - 1], _always_made_slots(c)))
 
 

@@ -106,12 +106,15 @@ def test_more_memory_never_slower() -> None:
 
 
 def test_min_feasible_budget_is_tight() -> None:
-    """One byte below the least budget there is no plan; at it there is one."""
+    """To the byte (tolerance 0), one byte below the least budget there is no plan and at it there is one;
+    with the default tolerance, the budget found has a plan and lies within it of the least."""
     rng = random.Random(3)
     for n_slots in [20, 500]:
         for _ in range(4):
             blocks = random_chain(rng.randint(2, 10), 3, rng)
-            low = min_feasible_budget(blocks, n_slots=n_slots)
+            low = min_feasible_budget(blocks, n_slots=n_slots, tolerance=0)
+            near = min_feasible_budget(blocks, n_slots=n_slots)
+            assert low <= near <= low * (1 + 1 / 1024) + 1 and solve_chain(blocks, near, n_slots=n_slots) is not None
             assert solve_chain(blocks, low - 1, n_slots=n_slots) is None
             assert solve_chain(blocks, low // 2, n_slots=n_slots) is None
             plan = solve_chain(blocks, low, n_slots=n_slots)

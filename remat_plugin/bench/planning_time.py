@@ -1,10 +1,11 @@
 """Planning-time benchmark: cold planning of a model at two depths, and chain-DP speed.
 
     python -m remat_plugin.bench.planning_time [--model llama-tiny] [--layers 4,16] [--budget 0.5]
-        [--replan 8x128,8x256,16x128] [--refine]
+        [--replan 8x128,8x256,16x128] [--refine] [--repeats 3]
 
 Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
-menus: capture + profile + every solve.  Each time is split into the plan's stages: export
+menus: capture + profile + every solve.  Each depth is planned ``--repeats`` times, the depths
+interleaved, and reports its median run.  Each time is split into the plan's stages: export
 (``torch.export``), trace (AOTAutograd's joint graph), profile (op times and scratch), block
 menus (block ILPs), budget search (chain DP and simulator), other (first run, metering,
 bookkeeping).  ``--replan`` times plans of new shapes made after a first one in the same
@@ -141,14 +142,24 @@ def main() -> None:
     parser.add_argument("--refine", action="store_true",
                         help="also time the re-plan a loop keeping only the loss makes at its second step (first "
                              "depth)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="cold plans per depth, interleaved across depths; each depth reports its median run")
     parser.add_argument("--json", help="write the results here")
     opts = parser.parse_args()
 
     depths = [int(n) for n in opts.layers.split(",")]
-    results: dict = {"model": opts.model, "cold": [], "dp_ms": {}}
+    results: dict = {"model": opts.model, "cold": [], "cold_runs": [], "dp_ms": {}}
     budgets = {n_layer: int(unmodified_peak(opts.model, {"n_layer": n_layer}) * opts.budget) for n_layer in depths}
+    # Interleaved (4, 16, 4, 16, ...), so a slow spell of the machine falls on both depths; medians, since one
+    # cold plan on this 2-core machine varies by 10-30% from run to run.
+    runs: dict[int, list[dict]] = {n: [] for n in depths}
+    for _ in range(max(1, opts.repeats)):
+        for n_layer in depths:
+            runs[n_layer].append(cold_plan(opts.model, n_layer, budgets[n_layer]))
     for n_layer in depths:
-        results["cold"].append(cold_plan(opts.model, n_layer, budgets[n_layer]))
+        ordered = sorted(runs[n_layer], key=lambda r: r["plan_s"])
+        results["cold"].append(ordered[(len(ordered) - 1) // 2])
+        results["cold_runs"].append([r["plan_s"] for r in runs[n_layer]])
     if opts.replan:
         shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.replan.split(",")]
         results["replan"] = replans(opts.model, shapes[0], shapes[1:], opts.budget)
@@ -161,7 +172,9 @@ def main() -> None:
               f" {c['unique_blocks']} unique)")
         print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in c["stages_s"].items()))
     first, last = results["cold"][0], results["cold"][-1]
-    print(f"ratio {last['n_layer']} / {first['n_layer']} layers: {last['plan_s'] / first['plan_s']:.2f}x")
+    pairs = [b / a for a, b in zip(results["cold_runs"][0], results["cold_runs"][-1])]
+    print(f"ratio {last['n_layer']} / {first['n_layer']} layers: {last['plan_s'] / first['plan_s']:.2f}x (medians of "
+          f"{len(pairs)} interleaved cold plans each; run by run: {', '.join(f'{r:.2f}x' for r in pairs)})")
     for n, ms in results["dp_ms"].items():
         print(f"chain DP, {n} blocks x 10 options, 500 slots: {ms:.1f} ms")
     for r in results.get("replan", []):

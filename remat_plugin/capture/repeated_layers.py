@@ -133,6 +133,13 @@ def _unflatten_inputs(call: _Call, inputs: list[Tensor]) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _leaves(out: Any) -> list:
+    """An op's outputs in pytree's leaf order (lists and tuples, nested)."""
+    if isinstance(out, (list, tuple)):
+        return [leaf for x in out for leaf in _leaves(x)]
+    return [out]
+
+
 class _Fingerprint(TorchDispatchMode):
     """Every op a layer's forward issues, with its constants and where each tensor operand came from."""
 
@@ -143,17 +150,22 @@ class _Fingerprint(TorchDispatchMode):
         self.alive: list[Tensor] = []  # keeps ids unique while recording
 
     def _describe(self, a):
+        # By hand rather than with pytree: an op's operands are tensors, constants and lists of them, and this
+        # runs for every op of every layer (pytree was most of a fingerprint's own time).
         if isinstance(a, Tensor):
             return self.known.get(id(a), ("const", id(a)))
+        if isinstance(a, (list, tuple)):
+            return type(a).__name__, tuple(self._describe(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, self._describe(v)) for k, v in a.items())
         return repr(a)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        desc = pytree.tree_map(self._describe, (args, kwargs))
         i = len(self.ops)
-        self.ops.append((str(func), repr(desc)))
-        for j, t in enumerate(pytree.tree_leaves(out)):
+        self.ops.append((str(func), self._describe(args), self._describe(kwargs)))
+        for j, t in enumerate(_leaves(out)):
             if isinstance(t, Tensor):
                 self.known[id(t)] = ("op", i, j)
                 self.alive.append(t)

@@ -464,11 +464,12 @@ def _dp_fits(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -> b
     return _min_peak_slots(_slot_chain(blocks, budget_bytes, n_slots), len(blocks)) <= n_slots
 
 
-def min_feasible_budget(blocks: Sequence[ChainBlock], n_slots: int = 500) -> int:
-    """Smallest budget in bytes for which :func:`solve_chain` finds a plan.
+def min_feasible_budget(blocks: Sequence[ChainBlock], n_slots: int = 500, tolerance: float = 1 / 1024) -> int:
+    """A budget in bytes for which :func:`solve_chain` finds a plan, at most ``tolerance`` above the smallest.
 
     Feasibility is monotone in the budget (slot sizes only shrink as it grows), so an exact
-    byte-level lower bound followed by a galloping then binary search finds it.
+    byte-level lower bound followed by a galloping then binary search finds it.  The search stops
+    within ``tolerance`` (the callers turn this budget by 1% steps; to the byte took twice the DP runs).
     """
     n = len(blocks)
     if n == 0:
@@ -480,7 +481,7 @@ def min_feasible_budget(blocks: Sequence[ChainBlock], n_slots: int = 500) -> int
     while not _dp_fits(blocks, lower + step, n_slots):
         lower, step = lower + step, step * 2
     upper = lower + step  # fits; lower does not
-    while upper - lower > 1:
+    while upper - lower > max(1, int(upper * tolerance)):
         mid = (lower + upper) // 2
         lower, upper = (lower, mid) if _dp_fits(blocks, mid, n_slots) else (mid, upper)
     return upper

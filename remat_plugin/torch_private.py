@@ -22,6 +22,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch._decomp import decompositions as _decompositions
 from torch._functorch._aot_autograd.descriptors import (
+    InputMutationAOTOutput,
+    PlainAOTInput,
     PlainAOTOutput,
     SavedForBackwardsAOTOutput,
     SavedForBackwardsNoVcCheckAOTOutput,
@@ -46,7 +48,9 @@ __all__ = [
     "BoxedCodeGen",
     "FakeTensor",
     "FunctionalTensor",
+    "InputMutationAOTOutput",
     "OpOverload",
+    "PlainAOTInput",
     "PlainAOTOutput",
     "SavedForBackwardsAOTOutput",
     "SavedForBackwardsNoVcCheckAOTOutput",

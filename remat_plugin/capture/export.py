@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,8 @@ from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compi
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
+    InputMutationAOTOutput,
+    PlainAOTInput,
     any_autocast_enabled,
     aot_function,
     pytree,
@@ -180,6 +182,69 @@ class ExecutionOptions:
 EAGER = ExecutionOptions()
 
 
+# NOTE [planning runs]
+#     A step is planned by its first call: AOTAutograd traces the joint graph, our partitioner
+#     plans it, and then AOTAutograd runs the forward program it was handed.  Where that call is
+#     made only to plan (``rematerialize``'s prepare, a re-plan before the caller's step), its
+#     outputs are dropped and buffers and RNG restored, so running the forward is pure cost: a
+#     whole forward of the model (1.0 s of a cold plan of 12 gpt2-tiny layers).  With
+#     ``CompiledStep.planning_only`` set, the eager forward program returns tensors of its outputs'
+#     sizes and strides without computing them, and each input it would update in place (a
+#     BatchNorm buffer) is returned as it is, so the update writes the input onto itself.  A program
+#     whose outputs it cannot stand for (anything but tensors, constants and plain inputs' updates,
+#     whose sizes match) runs.  Compiled programs always run: inductor compiles at that first call.
+def _unrun_outputs(gm: torch.fx.GraphModule) -> Callable[[list], list | None] | None:
+    """What a forward program returns when it is not run (NOTE [planning runs]), or None where it must run.
+
+    Each output keeps its aliasing: a view of an input (a saved transposed weight) is that view of the real
+    input, and outputs sharing a storage share one new storage of its size, so skipping the forward never
+    allocates more than running it.
+    """
+    output = gm.graph.output_node()
+    values = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in cast(tuple, output.args[0])]
+    descs = output.meta.get("desc")
+    if descs is None or len(descs) != len(values):
+        return None
+    inputs: dict[int, int] = {}  # fake storage -> the position of an input on it
+    for k, node in enumerate(gm.graph.find_nodes(op="placeholder")):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            inputs.setdefault(val.untyped_storage()._cdata, k)
+    updated: dict[int, int] = {}  # output position -> the flat input it is the new value of
+    for i, (value, desc) in enumerate(zip(values, descs)):
+        if isinstance(desc, InputMutationAOTOutput):
+            if not isinstance(desc.mutated_input, PlainAOTInput) or not isinstance(value, torch.Tensor):
+                return None
+            updated[i] = desc.mutated_input.idx
+        elif not (isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float))):
+            return None
+    metas = [(tuple(v.shape), tuple(v.stride()), v.storage_offset(), v.dtype, v.device, v.untyped_storage()._cdata,
+              v.untyped_storage().nbytes()) if isinstance(v, torch.Tensor) else None for v in values]
+
+    def unrun(args: list) -> list | None:
+        outs: list = []
+        made: dict[int, torch.UntypedStorage] = {}
+        for i, (value, meta) in enumerate(zip(values, metas)):
+            if meta is None:
+                outs.append(value)
+                continue
+            size, stride, offset, dtype, device, key, nbytes = meta
+            if i in updated:
+                old = args[updated[i]]
+                if (tuple(old.shape), tuple(old.stride()), old.dtype, old.device) != (size, stride, dtype, device):
+                    return None  # its metadata changes: the program runs
+                outs.append(old)
+            elif key in inputs:
+                outs.append(torch.as_strided(args[inputs[key]], size, stride, offset))
+            else:
+                if key not in made:
+                    made[key] = torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+                outs.append(torch.empty(0, dtype=dtype, device=device).set_(made[key], offset, size, stride))
+        return outs
+
+    return unrun
+
+
 @dataclass
 class CompiledStep:
     """One input signature's planned function; call it with the user's args/kwargs."""
@@ -204,6 +269,7 @@ class CompiledStep:
     # traced once]); None once used, or where every layer was traced from the start.
     traced_whole: Callable[[], Callable] | None = None
     model_name: str = ""
+    planning_only: bool = False  # a call made only to plan: the forward program need not run (NOTE [planning runs])
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -381,8 +447,14 @@ def build_step(
             add_in_place(gm_)  # NOTE [in-place adds]
             gm_.graph.set_codegen(BoxedCodeGen())
             gm_.recompile()
+            unrun = _unrun_outputs(gm_)
 
             def program(args: list):
+                if step.planning_only and unrun is not None:  # NOTE [planning runs]
+                    outs = unrun(args)
+                    if outs is not None:
+                        args.clear()
+                        return outs
                 return gm_(args)
 
             program._boxed_call = True  # type: ignore[attr-defined]

@@ -96,7 +96,7 @@ class RematModule(nn.Module):
         budget = functools.partial(self._budget_bytes, call)
         step = self._resolver.step_for(call, budget)
         if not step.checked:
-            with suspended_user_modes(), unobserved(self.original, call.device):  # it plans; outputs dropped
+            with suspended_user_modes(), unobserved(self.original, call.device), step.planning_only():  # it plans
                 self._resolver.run(call, step, budget)
         self._resolver.latest = self._resolver.steps[call.key]
         plan = self._resolver.latest.plan

@@ -12,9 +12,10 @@ trace; so a :class:`PlannedStep` knows its plan and problem once it has been cal
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,20 @@ class PlannedStep:
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         return self.run(args, kwargs)
+
+    @contextlib.contextmanager
+    def planning_only(self) -> Iterator[None]:
+        """Inside, calls are made only to plan (outputs dropped, state restored): the forward need not be
+        computed (NOTE [planning runs] in :mod:`remat_plugin.capture.export`)."""
+        run = self.run
+        if not hasattr(run, "planning_only"):
+            yield
+            return
+        run.planning_only = True  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            run.planning_only = False  # type: ignore[attr-defined]
 
     def exported_module(self) -> torch.fx.GraphModule | None:
         """The exported module its graph was traced from (None for a fallback), for a new plan of the same call."""
@@ -241,7 +256,7 @@ def run_unobserved(module: nn.Module, step: PlannedStep, call: Call) -> None:
     The caller's dispatch and function modes are suspended: capture traces fake tensors, and
     profiling is not the user's step.
     """
-    with suspended_user_modes(), unobserved(module, call.device):
+    with suspended_user_modes(), unobserved(module, call.device), step.planning_only():
         step(call.args, call.kwargs)
 
 

@@ -92,11 +92,12 @@ class PlannedStep:
         if not hasattr(run, "planning_only"):
             yield
             return
+        was = run.planning_only  # nested (a planning run inside prepare's): the outer one still holds on exit
         run.planning_only = True  # type: ignore[attr-defined]
         try:
             yield
         finally:
-            run.planning_only = False  # type: ignore[attr-defined]
+            run.planning_only = was  # type: ignore[attr-defined]
 
     def exported_module(self) -> torch.fx.GraphModule | None:
         """The exported module its graph was traced from (None for a fallback), for a new plan of the same call."""

@@ -24,7 +24,7 @@ from remat_plugin.torch_private import (
     extract_graph_with_inputs_outputs,
     is_primal,
     is_tangent,
-    make_graph_module,
+    lazy_graph_module,
 )
 
 
@@ -177,7 +177,7 @@ def _extract_modules(joint: JointGraph, saved: list[fx.Node]) -> tuple[fx.GraphM
     )
     # The backward program is built op by op by _rebuild_backward; extracting AOTAutograd's own backward
     # graph only to read its inputs cost 0.3 s per capture of a 16-layer Llama.
-    return make_graph_module(joint.gm, fwd_graph), saved + tangents, list(bwd_descs)
+    return lazy_graph_module(joint.gm, fwd_graph), saved + tangents, list(bwd_descs)
 
 
 def _rebuild_backward(
@@ -229,6 +229,6 @@ def _rebuild_backward(
         desc=output_descs,
         output_stack_traces=[v.meta.get("stack_trace") if isinstance(v, fx.Node) else None for v in outputs],
     )
-    gm = fx.GraphModule(joint.gm, graph)
+    gm = lazy_graph_module(joint.gm, graph)
     gm.graph.lint()
     return gm

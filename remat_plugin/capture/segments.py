@@ -34,7 +34,7 @@ from torch import fx
 
 from remat_plugin.capture.joint import is_view_target
 from remat_plugin.errors import RematError
-from remat_plugin.torch_private import BoxedCodeGen, any_autocast_enabled, autocast_disabled
+from remat_plugin.torch_private import BoxedCodeGen, any_autocast_enabled, autocast_disabled, lazy_graph_module
 
 # At most this many autograd nodes per backward: each release costs a Python call (~30 us), and DDP's buckets
 # (25 MiB by default) gain nothing from finer steps.
@@ -180,7 +180,7 @@ def _segment_program(gm: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.N
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(tuple(env[g] if isinstance(g, fx.Node) else g for g in grads) + tuple(env[n] for n in carry_out))
     graph.set_codegen(BoxedCodeGen())  # each value freed after its last use, the argument list cleared
-    return fx.GraphModule(gm, graph)
+    return lazy_graph_module(gm, graph)  # a split replaced after the first run never generates code
 
 
 class SegmentedBackward:

@@ -48,7 +48,7 @@ class _Index:
         self.out_flat = np.array([v for x in outs for v in x], dtype=np.int64)
         self.out_bytes = np.array([sum(int(self.size[v]) for v in x) for x in outs], dtype=np.int64)
         self.temp = np.array([o.temp_bytes for o in problem.ops], dtype=np.int64)
-        self.time_ms = [o.time_ms for o in problem.ops]
+        self.times = np.array([o.time_ms for o in problem.ops], dtype=np.float64)
         self.is_fwd = np.array([o.is_fwd for o in problem.ops])
         self.fwd = np.flatnonzero(self.is_fwd)
         self.fwd_names = tuple(o.name for o in problem.ops if o.is_fwd)
@@ -80,7 +80,7 @@ def check_schedule(problem: Problem, schedule: Schedule) -> None:
 def _checked_ids(idx: _Index, schedule: Schedule) -> np.ndarray:
     """The op ids of ``schedule.bwd_sequence``, once it passes :func:`check_schedule`'s rules."""
     op_id = idx.op_id
-    ids = np.fromiter((op_id[name] for name in schedule.bwd_sequence), dtype=np.int64,
+    ids = np.fromiter(map(op_id.__getitem__, schedule.bwd_sequence), dtype=np.int64,
                       count=len(schedule.bwd_sequence))
     bad = np.flatnonzero(~idx.rerunnable[ids])
     if len(bad):
@@ -106,7 +106,8 @@ def _copy_deaths(idx: _Index, ids: np.ndarray, sequence: tuple[str, ...]) -> tup
     val = np.concatenate([read_val, made_val])
     pos = np.concatenate([read_pos, made_pos])
     is_made = np.concatenate([np.zeros(n_read, dtype=bool), np.ones(len(made_pos), dtype=bool)])
-    order = np.lexsort((is_made, pos, val))
+    # One integer key (value, then position, then made) sorted stably: the order of a lexsort on the three.
+    order = np.argsort((val * (len(ids) + 1) + pos) * 2 + is_made, kind="stable")
     made_sorted = is_made[order]
     copy_of_event = np.cumsum(made_sorted) - 1  # the latest copy (in made order) at or before each event
     val_sorted = val[order]
@@ -146,6 +147,11 @@ def value_lifetimes(problem: Problem, sequence: list[str]) -> list[dict[str, int
     return out
 
 
+def _sequential_sum(x: np.ndarray) -> float:
+    """``x`` summed left to right, bitwise as a Python loop would (``np.sum`` adds pairwise)."""
+    return float(np.cumsum(x)[-1]) if len(x) else 0.0
+
+
 def simulate(problem: Problem, schedule: Schedule) -> Simulation:
     """Run ``schedule`` on paper: peak bytes, total time, and the memory timeline."""
     idx = _index(problem)
@@ -163,14 +169,10 @@ def simulate(problem: Problem, schedule: Schedule) -> Simulation:
     freed = np.concatenate([[0], np.cumsum(freed_after[: end - 1])]) if end else np.zeros(0, dtype=np.int64)
     running = problem.base_bytes + made - freed + idx.temp[ids]
     timeline = running.tolist()
-    peak = max(problem.base_bytes, max(timeline, default=problem.base_bytes))
-    times = idx.time_ms
-    time_ms = 0.0
-    for o in ids.tolist():  # summed in sequence order, as the plans before this simulator were
-        time_ms += times[o]
-    recompute_ms = 0.0
-    for o in bwd_ids[idx.is_fwd[bwd_ids]].tolist():
-        recompute_ms += times[o]
+    peak = max(problem.base_bytes, int(running.max()) if end else problem.base_bytes)
+    # Summed in sequence order, as the plans before this simulator were: a cumulative sum adds one term at a time.
+    time_ms = _sequential_sum(idx.times[ids])
+    recompute_ms = _sequential_sum(idx.times[bwd_ids[idx.is_fwd[bwd_ids]]])
     boundary = (copy_pos < n_fwd) & (death >= n_fwd) & (death < end)
     kept = int(sizes[boundary].sum())
     return Simulation(peak, time_ms, recompute_ms, kept, tuple(timeline), sequence)

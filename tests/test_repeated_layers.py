@@ -4,6 +4,7 @@ The spliced joint graph must be the one a whole-model trace gives, node for node
 cannot be spliced is traced whole and says so.
 """
 import logging
+import threading
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from remat_plugin import rematerialize
 from remat_plugin.bench.models import build
 from remat_plugin.capture.export import LAYERS_META, ExecutionOptions, build_step
 from remat_plugin.capture.joint import is_view_target
-from remat_plugin.capture.repeated_layers import RepeatedLayers
+from remat_plugin.capture.repeated_layers import RepeatedLayers, _running_own_forward
 from remat_plugin.runtime.config import ConfigError, RematConfig
 
 
@@ -159,6 +160,30 @@ def test_layers_that_differ_beyond_their_shapes_get_templates_of_their_own():
     reference = _Stack([_ScaledLayer(i) for i in range(4)]).double().train()
     reference.load_state_dict(model.state_dict())
     _assert_exact(model, reference, x)
+
+
+def test_a_layer_forward_running_on_another_thread_leaves_this_threads_layers_opaque():
+    """Whether a layer's own forward is running (a fingerprint, a template's export) is per thread: a model captured
+    while another thread is inside one still has its layers traced once, four calls of one template."""
+    started, release = threading.Event(), threading.Event()
+
+    def inside_a_layer_forward():
+        with _running_own_forward():
+            started.set()
+            release.wait(60)
+
+    other = threading.Thread(target=inside_a_layer_forward)
+    other.start()
+    try:
+        assert started.wait(60)
+        torch.manual_seed(0)
+        model = _Stack([_ScaledLayer(0) for _ in range(4)]).double().train()
+        _, exported = _joint(model, (torch.randn(64, 16, dtype=torch.float64),), {}, once=True)
+    finally:
+        release.set()
+        other.join()
+    layers = exported.meta[LAYERS_META]
+    assert len(layers.calls) == 4 and len(layers.templates) == 1
 
 
 class _ReadsMemory(nn.Module):

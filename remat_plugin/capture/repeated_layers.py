@@ -35,6 +35,7 @@ import functools
 import itertools
 import logging
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -110,7 +111,26 @@ _CALLS: weakref.WeakValueDictionary[int, _Call] = weakref.WeakValueDictionary()
 # updates, a callable) could make the layer's behaviour differ from the template's without showing in its ops.
 _PLAIN_CONSTANTS = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _call_ids = itertools.count()
-_inside: list[bool] = []  # a layer's own forward is running (the fingerprint, the template trace)
+
+
+class _OwnForward(threading.local):
+    """How deep this thread is in a layer's own forward (a fingerprint, a template's export): layers called there
+    run as written, not as the opaque op.  Per thread, so a model exported meanwhile on another thread still gets
+    opaque layers."""
+
+    depth = 0
+
+
+_own_forward = _OwnForward()
+
+
+@contextlib.contextmanager
+def _running_own_forward() -> Iterator[None]:
+    _own_forward.depth += 1
+    try:
+        yield
+    finally:
+        _own_forward.depth -= 1
 
 
 @contextlib.contextmanager
@@ -313,7 +333,7 @@ class RepeatedLayers:
         owner, index = self, self.layers.index(layer)
 
         def forward(*args, **kwargs):
-            if _inside:
+            if _own_forward.depth:
                 return original(*args, **kwargs)
             leaves, spec = pytree.tree_flatten((args, kwargs))
             odd = [x for x in leaves if not isinstance(x, (Tensor, *_PLAIN_CONSTANTS))]
@@ -340,13 +360,9 @@ class RepeatedLayers:
         known.update({id(t): ("input", i) for i, t in enumerate(inputs)})
         args, kwargs = _unflatten_inputs(call, inputs)
         names = self.param_names
-        _inside.append(True)
-        try:
-            with _autocast_as(call.autocast), _Fingerprint(known) as recorder:
-                out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
-                                                 strict=True)
-        finally:
-            _inside.pop()
+        with _running_own_forward(), _autocast_as(call.autocast), _Fingerprint(known) as recorder:
+            out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
+                                             strict=True)
         out_leaves, call.out_spec = pytree.tree_flatten(out)
         call.n_out = len(out_leaves)
         call.out_constants = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, Tensor)}
@@ -373,12 +389,8 @@ class RepeatedLayers:
                 inputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(grad)
                           for (shape, stride, dtype, device), grad in zip(call.example, call.requires_grad)]
                 args, kwargs = _unflatten_inputs(call, inputs)
-                _inside.append(True)
-                try:
-                    with _autocast_as(call.autocast):
-                        template.exported = export_module(self.layers[call.layer], args, kwargs).module()
-                finally:
-                    _inside.pop()
+                with _running_own_forward(), _autocast_as(call.autocast):
+                    template.exported = export_module(self.layers[call.layer], args, kwargs).module()
 
     def _trace(self, template: _Template, params: list[Tensor], inputs: list[Tensor]) -> None:
         """The template's joint graph, traced on ``params`` and ``inputs``: fake tensors of the model's trace, so the

@@ -290,6 +290,20 @@ def _case1_at(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np
     return np.where(m[None, :] >= thresholds[:, None], cand, _INF)
 
 
+def _case1_min(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np.ndarray,
+               reads: np.ndarray | None) -> np.ndarray:
+    """``_case1_at(...).min(axis=0)`` with the reads of ``C(s+1, t, ·)`` given (they depend on ``s`` only):
+    the same sums (``a + b`` is ``b + a`` in floating point, and ``x + 0.0`` is ``x``), so the same bits."""
+    thresholds = _option_thresholds(c, n, s, t)
+    if s < t:
+        cand = d_tables[t, s + 1][reads]
+        cand += c.fb_ms[s][:, None]
+    else:
+        cand = np.repeat(c.fb_ms[s][:, None], len(m), axis=1)
+    cand[m[None, :] < thresholds[:, None]] = _INF
+    return cand.min(axis=0)
+
+
 def _none_penalty(c: _SlotChain, s: int, n: int, m: np.ndarray) -> np.ndarray:
     """Case (2)'s recompute time of ``s..s'-1`` where the ``fwd_none`` chain fits in ``m``, else inf.
 
@@ -312,15 +326,20 @@ def _solve_tables(c: _SlotChain, n: int, m_slots: int) -> tuple[np.ndarray, np.n
     root = np.full(width, _INF)
     # E_s[s'][w] reads C(s, s'-1, ·) at w + pg(<s') - δ_{s'}: index 0 of [inf, C...] below 0, C(M) above M
     e_gather = [np.clip(w_range + c.pg_prefix[j] - c.delta[j] + 1, 0, width) for j in range(n)]
-    keys = _subchain_keys(c, n)
-    solved: dict[int, np.ndarray] = {}  # C(s, t, ·) per sub-chain key (NOTE [equal sub-chains])
+    keys = _subchain_keys(c, n).tolist()
+    # C(s, t, ·) per sub-chain key (NOTE [equal sub-chains]), and the same behind one inf (E's gather reads it)
+    solved: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for s in range(n - 1, -1, -1):
         e_tables = np.empty((n, len(w_range)))  # [s', w] = C(s, s'-1, w + pg(<s') - δ_{s'})
         penalty = None
+        reads = None  # case (1)'s read of C(s+1, t, ·) per option: m - kept, at 0 where the threshold masks it
+        x_s = int(c.x[s])
         for t in range(s, n):
-            best = solved.get(int(keys[s, t]))
-            if best is None:
-                best = _case1_at(c, n, d_tables, s, t, m_range).min(axis=0)
+            found = solved.get(keys[s][t])
+            if found is None:
+                if reads is None and s < t:
+                    reads = np.maximum(m_range[None, :] - c.kept[s][:, None], 0)
+                best = _case1_min(c, n, d_tables, s, t, m_range, reads)
                 if s < t:
                     if penalty is None:
                         penalty = _none_penalty(c, s, n, m_range)
@@ -328,11 +347,12 @@ def _solve_tables(c: _SlotChain, n: int, m_slots: int) -> tuple[np.ndarray, np.n
                     cand2 = d_tables[t, s + 1:t + 1] + e_tables[s + 1:t + 1, off:off + width]
                     cand2 += penalty[:t - s]
                     best = np.minimum(best, cand2.min(axis=0))
-                solved[int(keys[s, t])] = best
-            d_tables[t, s, :min(c.x[s], width)] = _INF
-            d_tables[t, s, c.x[s]:] = best[:max(width - c.x[s], 0)]
+                found = solved[keys[s][t]] = (best, np.concatenate([[_INF], best]))
+            best, behind_inf = found
+            d_tables[t, s, :min(x_s, width)] = _INF
+            d_tables[t, s, x_s:] = best[:max(width - x_s, 0)]
             if t + 1 < n:
-                e_tables[t + 1] = np.concatenate([[_INF], best])[e_gather[t + 1]]
+                e_tables[t + 1] = behind_inf[e_gather[t + 1]]
             if s == 0 and t == n - 1:
                 root = best
     return root, d_tables

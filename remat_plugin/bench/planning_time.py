@@ -1,7 +1,7 @@
 """Planning-time benchmark: cold planning of a model at two depths, and chain-DP speed.
 
     python -m remat_plugin.bench.planning_time [--model llama-tiny] [--layers 4,16] [--budget 0.5]
-        [--replan 8x128,8x256,16x128] [--refine] [--repeats 3]
+        [--replan 8x128,8x256,16x128] [--known-bucket 8x256,8x200,8x180] [--refine] [--repeats 3]
 
 Each model is planned in a fresh subprocess, so "cold" means no cached op timings or
 menus: capture + profile + every solve.  Each depth is planned ``--repeats`` times, the depths
@@ -10,7 +10,9 @@ interleaved, and reports its median run.  Each time is split into the plan's sta
 menus (block ILPs), budget search (chain DP and simulator), other (first run, metering,
 bookkeeping).  ``--replan`` times plans of new shapes made after a first one in the same
 process (what a training run meets when its batch size or sequence length changes) against
-cold plans of the same shapes.  ``--refine`` times the second step of a loop that keeps only the
+cold plans of the same shapes.  ``--known-bucket`` times the first and second steps at shapes inside a
+planned bucket (a shorter last batch, dynamic padding): the first captures the graph at its shapes and replays
+the bucket's plan.  ``--refine`` times the second step of a loop that keeps only the
 loss, which plans again with the outputs it drops freed (the first step's export traced again).  The
 DP is timed on synthetic chains of 14 and 100 blocks with 10 options each at 500 memory slots.
 """
@@ -62,6 +64,42 @@ for _ in range(3):  # a training loop keeping only the loss: the second step pla
 print(json.dumps({{"replanning_step_s": times[1], "plain_step_s": times[2], "dropped": rm.plan.dropped_outputs,
                    "stages_s": dict(rm.plan.planning_stages)}}))
 """
+
+
+_KNOWN_BUCKET = """
+import json, time
+import torch
+from remat_plugin.bench.models import build
+from remat_plugin.runtime.module import rematerialize
+shapes = {shapes!r}
+bench = build({model!r}, **shapes[0])
+args, kwargs = bench.make_batch(0)
+rm = rematerialize(bench.module, args, kwargs, budget={budget})
+for _ in range(3):  # settled: the second step plans again for the outputs the loop drops (NOTE [output usage])
+    bench.loss(rm(*args, **kwargs)).backward()
+    bench.module.zero_grad(set_to_none=True)
+n_solved = rm._resolver.n_solved
+for shape in shapes[1:]:
+    args, kwargs = build({model!r}, **shape).make_batch(1)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        bench.loss(rm(*args, **kwargs)).backward()
+        bench.module.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    print(json.dumps({{"shape": shape, "first_step_s": times[0], "next_step_s": times[1]}}))
+print(json.dumps({{"new_plans": rm._resolver.n_solved - n_solved}}))
+"""
+
+
+def known_bucket(model: str, shapes: list[dict], share: float) -> dict:
+    """Steps at shapes inside the first shape's bucket, after it is planned and settled, in one fresh process: each
+    shape's first step (its graph captured, the bucket's plan checked by the simulator) against its second."""
+    budget = int(unmodified_peak(model, shapes[0]) * share)
+    out = subprocess.run([sys.executable, "-c", _KNOWN_BUCKET.format(model=model, shapes=shapes, budget=budget)],
+                         capture_output=True, text=True, check=True)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {"planned": shapes[0], "steps": records[:-1], **records[-1]}
 
 
 def refine_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
@@ -142,6 +180,10 @@ def main() -> None:
     parser.add_argument("--refine", action="store_true",
                         help="also time the re-plan a loop keeping only the loss makes at its second step (first "
                              "depth)")
+    parser.add_argument("--known-bucket", metavar="B0xS0,B1xS1,...",
+                        help="also time steps at shapes inside a planned bucket: the first shape planned and settled, "
+                             "then each other one's first step (captured, the plan replayed) and second (e.g. "
+                             "8x256,8x200,8x180)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="cold plans per depth, interleaved across depths; each depth reports its median run")
     parser.add_argument("--json", help="write the results here")
@@ -163,6 +205,9 @@ def main() -> None:
     if opts.replan:
         shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.replan.split(",")]
         results["replan"] = replans(opts.model, shapes[0], shapes[1:], opts.budget)
+    if opts.known_bucket:
+        shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.known_bucket.split(",")]
+        results["known_bucket"] = known_bucket(opts.model, shapes, opts.budget)
     if opts.refine:
         results["refine"] = refine_plan(opts.model, depths[0], budgets[depths[0]])  # the first depth's cold budget
     for n in (14, 100):
@@ -183,6 +228,12 @@ def main() -> None:
               f"(cold {r['cold']['plan_s']:.1f} s); predicted overhead {r['replan']['overhead']:.3f}x, "
               f"the cold plan's {r['cold']['overhead']:.3f}x ({r['overhead_vs_cold'] - 1:+.1%})")
         print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in r["replan"]["stages_s"].items()))
+    if "known_bucket" in results:
+        kb, shape = results["known_bucket"], "{batch_size}x{seq_len}"
+        for r in kb["steps"]:
+            print(f"known bucket ({shape.format(**kb['planned'])} planned) -> {shape.format(**r['shape'])}: first step "
+                  f"{r['first_step_s']:.2f} s, next {r['next_step_s']:.2f} s (replay {r['first_step_s'] - r['next_step_s']:.2f} s)")
+        print(f"  new plans made for them: {kb['new_plans']}")
     if "refine" in results:
         r = results["refine"]
         print(f"re-plan for the dropped outputs {r['dropped']} ({r['n_layer']} layers): the step that plans again "

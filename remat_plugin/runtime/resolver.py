@@ -33,10 +33,10 @@ NOTE [output usage]
 NOTE [many shapes]
     A step is built per exact input shape: a plan made for a bucket is replayed on shorter inputs
     without profiling or solving, but each new shape still captures the model's graph (export and
-    trace, 1.2-1.6 s on gpt2-tiny here, one layer traced for all; NOTE [layers traced once]) before its first call, and its step stays
-    cached in host memory.  Batches padded to whatever each holds (dynamic padding) meet a new length
-    almost every step at first.  When a module has met :data:`MANY_SHAPES` signatures, the caller is
-    told once, with the fix: pad to a few fixed lengths.
+    trace, 1.2-1.3 s on gpt2-tiny here, one layer traced for all; NOTE [layers traced once]) before its
+    first call, and its step stays cached in host memory.  Batches padded to whatever each holds
+    (dynamic padding) meet a new length almost every step at first.  When a module has met
+    :data:`MANY_SHAPES` signatures, the caller is told once, with the fix: pad to a few fixed lengths.
 
 Calibration: NOTE [calibration] in :mod:`remat_plugin.runtime.calibration`.
 

@@ -65,23 +65,12 @@ def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float =
         def fits(sim: Simulation) -> bool:
             return sim.peak_bytes <= budget_bytes
 
-    deadline = time.perf_counter() + time_budget_s
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
-        chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
-        for k, o in chosen.items():
-            menu = planner.menus[k]
-            faster = sorted((i for i in range(len(menu)) if menu[i].bwd_ms < menu[o].bwd_ms), key=lambda i: menu[i].bwd_ms)
-            for i in faster:
-                cp = _swap_option(best[2], k, i)
-                sched, sim = planner.evaluate(cp)
-                if fits(sim) and sim.time_ms < best[1].time_ms:
-                    best, improved = (sched, sim, cp), True
-                    break
-            if time.perf_counter() > deadline:
-                break
-    return best
+    def faster(k: int, o: int) -> list[int]:
+        menu = planner.menus[k]
+        return sorted((i for i in range(len(menu)) if menu[i].bwd_ms < menu[o].bwd_ms), key=lambda i: menu[i].bwd_ms)
+
+    return _swap_descent(planner, best, lambda b: [a.block for a in b[2].actions if a.kind == "bwd"], faster,
+                         lambda sim, incumbent: fits(sim) and sim.time_ms < incumbent.time_ms, time_budget_s)
 
 
 def lowest_peak(planner: Planner, time_budget_s: float = 2.0):
@@ -126,20 +115,31 @@ def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> 
 
 
 def _descend(planner: Planner, best, cost: Callable[[Simulation], object], blocks: Callable, time_budget_s: float):
-    """Single-block option swaps judged by the simulator, kept while ``cost`` falls: each pass tries every
-    option of each of ``blocks(best)`` and moves on to the next block after a gain, until a pass gains nothing."""
+    """Single-block option swaps judged by the simulator, kept while ``cost`` falls: every other option of each of
+    ``blocks(best)``."""
+    def others(k: int, o: int) -> list[int]:
+        return [i for i in range(len(planner.menus[k])) if i != o]
+
+    return _swap_descent(planner, best, blocks, others,
+                         lambda sim, incumbent: cost(sim) < cost(incumbent),  # type: ignore[operator]
+                         time_budget_s)
+
+
+def _swap_descent(planner: Planner, best, blocks: Callable, options: Callable[[int, int], list[int]],
+                  better: Callable[[Simulation, Simulation], bool], time_budget_s: float):
+    """The swap loop of :func:`hill_climb` and :func:`_descend`: each pass tries, for each of ``blocks(best)``, its
+    ``options(block, chosen option)`` in order, keeps the first swap whose simulation is ``better`` than the
+    incumbent's and moves on to the next block; passes repeat until one gains nothing or time runs out."""
     deadline = time.perf_counter() + time_budget_s
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
         chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
         for k in blocks(best):
-            for i in range(len(planner.menus[k])):
-                if i == chosen[k]:
-                    continue
+            for i in options(k, chosen[k]):
                 cp = _swap_option(best[2], k, i)
                 sched, sim = planner.evaluate(cp)
-                if cost(sim) < cost(best[1]):  # type: ignore[operator]
+                if better(sim, best[1]):
                     best, improved = (sched, sim, cp), True
                     break
             if time.perf_counter() > deadline:

@@ -32,6 +32,7 @@ from remat_plugin.torch_private import (
     PlainAOTInput,
     any_autocast_enabled,
     aot_function,
+    is_tangent,
     pytree,
     suspended_user_modes,
     traced_like_eager,
@@ -424,7 +425,7 @@ def build_step(
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
-        primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
         joint.state_primals = {n.name for n in primals[: len(names)]}
         flat_inputs = [*named.values(), *(leaves[i] for i in tensor_positions)]

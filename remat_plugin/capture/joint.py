@@ -32,7 +32,7 @@ from torch import fx
 
 from remat_plugin.capture.dropped_tangents import add_if_given
 from remat_plugin.ir.problem import Op, Problem, Value
-from remat_plugin.torch_private import OpOverload, PlainAOTOutput, extract_fwd_bwd_outputs
+from remat_plugin.torch_private import OpOverload, PlainAOTOutput, extract_fwd_bwd_outputs, is_tangent
 
 TANGENTS_OP = "__tangents__"
 OUTPUTS_OP = "__outputs_returned__"
@@ -130,7 +130,7 @@ class JointGraph:
         for n in graph.nodes:
             if n.op == "placeholder":
                 self.root[n.name] = None
-                if n.name.startswith("tangents"):
+                if is_tangent(n):
                     self.tangents.append(n)
                 continue
             if n.op != "call_function":

@@ -102,13 +102,14 @@ def kept_values(joint: JointGraph, schedule: Schedule) -> list[str]:
     """Values (and placeholders) the backward program reads before recomputing them: what forward saves."""
     made: set[str] = set()
     kept: list[str] = []
+    tangents = {t.name for t in joint.tangents}  # given to the backward, never saved
     for name in _graph_ops(schedule):
         node = joint.node(name)
         reads = list(joint.reads(node)) + _placeholder_reads(joint, node)
         if name in joint.random_ops:
             reads.append(name + RNG_SUFFIX)
         for v in reads:
-            if v not in made and v not in kept and not v.startswith("tangents"):
+            if v not in made and v not in kept and v not in tangents:
                 kept.append(v)
         made.update(joint.values_of[name])
     return kept

@@ -7,12 +7,14 @@ import copy
 import dataclasses
 import logging
 
+import pytest
 import torch
 from budgets import assert_same_grads_and_buffers
 from torch import nn
 
 from remat_plugin import rematerialize
 from remat_plugin.capture.memory_meter import measure_peak_profiler
+from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.ir.problem import Problem
 from remat_plugin.runtime import calibration, resolver, steps
 
@@ -75,12 +77,32 @@ def test_a_model_that_misses_memory_is_corrected_before_any_step_runs_over(monke
         _step(rm, reference, x, 0)  # metered before it runs (no meter of ours around it: sessions do not nest)
     corrections = rm._resolver.calibration.corrections[next(iter(rm.steps))]
     assert metered[0] > budget  # the first plan would have run over ...
-    assert 1 <= len(corrections) <= calibration.MAX_CORRECTIONS and metered[-1] <= budget  # ... the step ran this
-    assert "calibration: measured peak" in caplog.text and "correction 1 of 2" in caplog.text
+    assert 1 <= len(corrections) <= calibration.MAX_OVER_BUDGET_CORRECTIONS and metered[-1] <= budget  # ... the step
+    assert "calibration: measured peak" in caplog.text and "correction 1 of 4" in caplog.text  # ran this one
     assert rm.plan is not first and rm.plan.margin_bytes >= first.margin_bytes + corrections[0]
     peaks = [_step(rm, reference, x, seed, allocator=True) for seed in range(1, 4)]
     assert all(peak <= budget for peak in peaks), (budget, peaks)
     assert len(metered) == len(corrections) + 1  # nothing metered once settled
+
+
+def test_a_plan_that_keeps_metering_over_the_budget_raises_and_no_step_runs(monkeypatch):
+    """Every plan metered over the budget: corrected up to MAX_OVER_BUDGET_CORRECTIONS times, then the call raises
+    InfeasibleBudgetError naming the metered peak, and the caller's step never runs (no gradient is made)."""
+    module, x = _mlp()
+    unmodified = rematerialize(copy.deepcopy(module), (x,), budget=10**12, verbose=False).plan
+    budget = int(0.85 * unmodified.baseline_peak_bytes)  # room for every correction
+    metered: list[int] = []
+
+    def over_budget(*_args):
+        metered.append(budget + 1024)  # just over: each correction is small, and a plan is always found
+        return metered[-1]
+
+    monkeypatch.setattr(resolver, "metered_step", over_budget)
+    rm = rematerialize(module, (x,), budget=budget, verbose=False)
+    with pytest.raises(InfeasibleBudgetError, match="metered"):
+        rm(x).square().mean().backward()
+    assert 2 <= len(metered) <= calibration.MAX_OVER_BUDGET_CORRECTIONS + 1
+    assert all(p.grad is None for p in module.parameters())
 
 
 def test_an_accurate_prediction_is_metered_once_and_left_alone(caplog):

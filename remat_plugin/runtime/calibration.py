@@ -6,10 +6,14 @@ NOTE [calibration]
     buffers, RNG and ``.grad`` are left as they were.  If it rose above the budget, or more than
     :data:`TOLERANCE` (and 64 KiB) above the prediction plus the corrections already made, the gap
     is added to the bytes the planner keeps back and the shapes are planned again, the new plan
-    metered in turn: at most :data:`MAX_CORRECTIONS` corrections per signature, each logged as a
-    warning.  So a model that misses memory costs extra metered steps, never a caller's step over
-    budget.  If no plan fits with the correction, a plan that measured over the budget raises
-    :class:`~remat_plugin.errors.InfeasibleBudgetError`; one that measured within it is kept.
+    metered in turn, each correction logged as a warning.  A plan that measured within the budget is
+    corrected at most :data:`MAX_CORRECTIONS` times per signature; one that measured over it is corrected
+    up to :data:`MAX_OVER_BUDGET_CORRECTIONS` times, and after that the call raises
+    :class:`~remat_plugin.errors.InfeasibleBudgetError` rather than run (compiled programs, whose fused
+    kernels the op model does not see, took three corrections in one CI run).  So a model that misses
+    memory costs extra metered steps, never a caller's step over budget.  If no plan fits with the
+    correction, a plan that measured over the budget raises :class:`~remat_plugin.errors.InfeasibleBudgetError`;
+    one that measured within it is kept.
     A prediction above the measurement is budget left unused, not a risk: it is not corrected.
     Metering runs with the caller's dispatch modes suspended, and waits while the caller's
     profiler runs (sessions do not nest).  With several ranks, each meters the plan rank 0 sent
@@ -37,7 +41,8 @@ from remat_plugin.torch_private import autocast_disabled, pytree, suspended_user
 log = logging.getLogger(__name__)
 
 TOLERANCE = 0.05  # a metered peak this far above the prediction is corrected
-MAX_CORRECTIONS = 2
+MAX_CORRECTIONS = 2  # of plans that measured within the budget, above their prediction
+MAX_OVER_BUDGET_CORRECTIONS = 4  # of plans that measured over it; then the call raises instead of running
 
 
 def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None:
@@ -112,16 +117,21 @@ class Calibration:
         gap = measured - expected
         where = (f"measured peak {human_bytes(measured)} against predicted {human_bytes(expected)} "
                  f"(budget {human_bytes(plan.budget_bytes)}) for {call.signature.describe()}")
-        if measured <= plan.budget_bytes and gap <= max(TOLERANCE * plan.predicted_peak_bytes, MARGIN_MIN_BYTES):
+        over = measured > plan.budget_bytes
+        if not over and gap <= max(TOLERANCE * plan.predicted_peak_bytes, MARGIN_MIN_BYTES):
             log.debug("remat_plugin: calibration: %s", where)
             return False
-        if len(corrections) >= MAX_CORRECTIONS:
-            log.warning("remat_plugin: calibration: %s after %d corrections; not correcting again. Lower the "
-                        "budget by the difference", where, len(corrections))
+        limit = MAX_OVER_BUDGET_CORRECTIONS if over else MAX_CORRECTIONS
+        if len(corrections) >= limit:
+            if over:  # never run a caller's step over the budget
+                raise InfeasibleBudgetError(plan.budget_bytes, measured + plan.margin_bytes,
+                                            what=f"step as metered after {len(corrections)} corrections ({where})")
+            log.warning("remat_plugin: calibration: %s after %d corrections; not correcting again (within the "
+                        "budget)", where, len(corrections))
             return False
         corrections.append(gap)
         log.warning("remat_plugin: calibration: %s; planning again with %s more kept back (correction %d of %d)",
-                    where, human_bytes(gap), len(corrections), MAX_CORRECTIONS)
+                    where, human_bytes(gap), len(corrections), limit)
         return True
 
     def replanned(self, call: Call, plan: Plan, measured: int | None,

@@ -10,7 +10,7 @@ NOTE [calibration]
     corrected at most :data:`MAX_CORRECTIONS` times per signature; one that measured over it is corrected
     up to :data:`MAX_OVER_BUDGET_CORRECTIONS` times, and after that the call raises
     :class:`~remat_plugin.errors.InfeasibleBudgetError` rather than run (compiled programs, whose fused
-    kernels the op model does not see, took three corrections in one CI run).  So a model that misses
+    kernels the op model does not see, use both corrections on bert-tiny).  So a model that misses
     memory costs extra metered steps, never a caller's step over budget.  If no plan fits with the
     correction, a plan that measured over the budget raises :class:`~remat_plugin.errors.InfeasibleBudgetError`;
     one that measured within it is kept.

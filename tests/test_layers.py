@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers of the same rank (capture, planning.solvers) are siblings and do not import each other.
 LAYER_RANK = {
     "errors": 0,
-    "gc_freeze": 0,  # imports nothing of ours; capture and planning freeze old objects while they run
     "torch_private": 1,  # imports only errors; the one home of private torch APIs
     "ir": 1,
     "capture": 2,

@@ -25,7 +25,6 @@ from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.repeated_layers import NotSpliceable, RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
 from remat_plugin.errors import CaptureError, RematError
-from remat_plugin.gc_freeze import old_objects_frozen
 from remat_plugin.torch_private import (
     BoxedCodeGen,
     InputMutationAOTOutput,
@@ -290,8 +289,7 @@ class CompiledStep:
                 self.fn, self.traced_whole = self.traced_whole(), None  # an inference graph: no joint to splice into
             if self.options.backward_segments > 1 and not self.options.compile and torch.is_grad_enabled():
                 inputs = ordered_first_call(inputs)  # NOTE [first call order]
-            # The first call traces the joint graph (and plans, in the partitioner); NOTE [old objects frozen].
-            with old_objects_frozen(), traced_like_eager(self.options.backward_autocast):
+            with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
                 try:
                     flat_out = self.fn(*inputs)
                 except NotSpliceable as exc:
@@ -388,8 +386,7 @@ def build_step(
         gm = exported
         layers = gm.meta.get(LAYERS_META)
     else:
-        with old_objects_frozen():  # NOTE [old objects frozen]
-            gm, layers = _export(module, args, kwargs, options)
+        gm, layers = _export(module, args, kwargs, options)
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
     names = list(named)

@@ -12,7 +12,6 @@ import time
 from collections import OrderedDict
 
 from remat_plugin.errors import InfeasibleBudgetError, human_bytes
-from remat_plugin.gc_freeze import old_objects_frozen
 from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
@@ -88,7 +87,6 @@ def _unmodified_plan(problem: Problem, base, user_budget_bytes: int, margin_byte
     )
 
 
-@old_objects_frozen()  # NOTE [old objects frozen]
 def make_plan(problem: Problem, constants: set[str], budget_bytes: int, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
               progress=None, find_floor: bool = True, planners: PlannerCache | None = None,
               calibration_bytes: int = 0) -> tuple[Plan, Schedule]:
@@ -178,7 +176,6 @@ def _as_plan(planner: Planner, base, chosen: ScheduleCandidate, user_budget_byte
     return plan
 
 
-@old_objects_frozen()  # NOTE [old objects frozen]
 def chained_plan(problem: Problem, constants: set[str], calls: int, slack_bytes: int | None = None,
                  lowest: Plan | None = None, ilp_time_limit_s: float = DEFAULT_ILP_TIME_LIMIT_S,
                  planners: PlannerCache | None = None) -> Plan:

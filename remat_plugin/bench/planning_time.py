@@ -169,6 +169,11 @@ def dp_time_ms(n_blocks: int, n_options: int = 10, n_slots: int = 500, repeats: 
     return best
 
 
+def _shapes(text: str) -> list[dict]:
+    """``"8x128,8x256"`` as ``[{"batch_size": 8, "seq_len": 128}, ...]``."""
+    return [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-tiny", help="a bench model with an n_layer argument")
@@ -203,11 +208,10 @@ def main() -> None:
         results["cold"].append(ordered[(len(ordered) - 1) // 2])
         results["cold_runs"].append([r["plan_s"] for r in runs[n_layer]])
     if opts.replan:
-        shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.replan.split(",")]
+        shapes = _shapes(opts.replan)
         results["replan"] = replans(opts.model, shapes[0], shapes[1:], opts.budget)
     if opts.known_bucket:
-        shapes = [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in opts.known_bucket.split(",")]
-        results["known_bucket"] = known_bucket(opts.model, shapes, opts.budget)
+        results["known_bucket"] = known_bucket(opts.model, _shapes(opts.known_bucket), opts.budget)
     if opts.refine:
         results["refine"] = refine_plan(opts.model, depths[0], budgets[depths[0]])  # the first depth's cold budget
     for n in (14, 100):

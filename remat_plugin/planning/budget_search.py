@@ -69,7 +69,7 @@ def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float =
         menu = planner.menus[k]
         return sorted((i for i in range(len(menu)) if menu[i].bwd_ms < menu[o].bwd_ms), key=lambda i: menu[i].bwd_ms)
 
-    return _swap_descent(planner, best, lambda b: [a.block for a in b[2].actions if a.kind == "bwd"], faster,
+    return _swap_descent(planner, best, _bwd_blocks, faster,
                          lambda sim, incumbent: fits(sim) and sim.time_ms < incumbent.time_ms, time_budget_s)
 
 
@@ -111,7 +111,7 @@ def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> 
     if not starts:
         return None
     best = min(starts, key=lambda c: cost(c[1]))
-    return _descend(planner, best, cost, lambda b: [a.block for a in b[2].actions if a.kind == "bwd"], time_budget_s)
+    return _descend(planner, best, cost, _bwd_blocks, time_budget_s)
 
 
 def _descend(planner: Planner, best, cost: Callable[[Simulation], object], blocks: Callable, time_budget_s: float):
@@ -123,6 +123,12 @@ def _descend(planner: Planner, best, cost: Callable[[Simulation], object], block
     return _swap_descent(planner, best, blocks, others,
                          lambda sim, incumbent: cost(sim) < cost(incumbent),  # type: ignore[operator]
                          time_budget_s)
+
+
+def _bwd_blocks(candidate: ScheduleCandidate) -> list[int]:
+    """The blocks a candidate's chain plan runs a backward of, in its order."""
+    assert candidate[2] is not None
+    return [a.block for a in candidate[2].actions if a.kind == "bwd"]
 
 
 def _swap_descent(planner: Planner, best, blocks: Callable, options: Callable[[int, int], list[int]],

@@ -278,30 +278,24 @@ def _subchain_keys(c: _SlotChain, n: int) -> np.ndarray:
     return keys
 
 
-def _case1_at(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np.ndarray) -> np.ndarray:
-    """Case (1) times, one row per option of block ``s``, at free-slot counts ``m``.
+def _case1_at(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np.ndarray,
+              reads: np.ndarray | None = None) -> np.ndarray:
+    """Case (1) times, one row per option of block ``s``, at free-slot counts ``m`` (inf where it does not fit).
 
-    ``m - kept`` is clamped at 0 only where the threshold (≥ ``x_{s+1} + kept``) masks it anyway.
+    ``reads``: the indices ``max(m - kept, 0)`` into ``C(s+1, t, ·)`` per option, when the caller has them (they
+    depend on ``s`` only); clamped at 0 only where the threshold (≥ ``x_{s+1} + kept``) masks the result anyway.
+    The tables and :func:`_choose` both come through here, so a reconstruction repeats the tables' float operations.
     """
     thresholds = _option_thresholds(c, n, s, t)
-    cand = c.fb_ms[s][:, None] + np.zeros(len(m))
     if s < t:
-        cand = cand + d_tables[t, s + 1][np.maximum(m[None, :] - c.kept[s][:, None], 0)]
-    return np.where(m[None, :] >= thresholds[:, None], cand, _INF)
-
-
-def _case1_min(c: _SlotChain, n: int, d_tables: np.ndarray, s: int, t: int, m: np.ndarray,
-               reads: np.ndarray | None) -> np.ndarray:
-    """``_case1_at(...).min(axis=0)`` with the reads of ``C(s+1, t, ·)`` given (they depend on ``s`` only):
-    the same sums (``a + b`` is ``b + a`` in floating point, and ``x + 0.0`` is ``x``), so the same bits."""
-    thresholds = _option_thresholds(c, n, s, t)
-    if s < t:
+        if reads is None:
+            reads = np.maximum(m[None, :] - c.kept[s][:, None], 0)
         cand = d_tables[t, s + 1][reads]
         cand += c.fb_ms[s][:, None]
     else:
         cand = np.repeat(c.fb_ms[s][:, None], len(m), axis=1)
     cand[m[None, :] < thresholds[:, None]] = _INF
-    return cand.min(axis=0)
+    return cand
 
 
 def _none_penalty(c: _SlotChain, s: int, n: int, m: np.ndarray) -> np.ndarray:
@@ -339,7 +333,7 @@ def _solve_tables(c: _SlotChain, n: int, m_slots: int) -> tuple[np.ndarray, np.n
             if found is None:
                 if reads is None and s < t:
                     reads = np.maximum(m_range[None, :] - c.kept[s][:, None], 0)
-                best = _case1_min(c, n, d_tables, s, t, m_range, reads)
+                best = _case1_at(c, n, d_tables, s, t, m_range, reads).min(axis=0)
                 if s < t:
                     if penalty is None:
                         penalty = _none_penalty(c, s, n, m_range)

@@ -23,7 +23,7 @@ from remat_plugin.bench.bench_model import Batch, BenchModel, generator, seeded
 from remat_plugin.bench.model_families import llama_tiny, mistral_tiny, padding_mask, t5_tiny, unet_tiny
 
 __all__ = [
-    "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mlp_chain", "resnet_tiny",
+    "GPU_MODELS", "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_small", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mlp_chain", "resnet_tiny",
     "t5_tiny", "unet_tiny",
 ]  # fmt: skip
 
@@ -43,20 +43,41 @@ def gpt2_tiny(
     The vocabulary is cut to 1000 tokens so the LM head (seq x vocab logits) does not dwarf the
     blocks that remat works on; positions are capped at 256, the benchmark's sequence length.
     """
+    return _gpt2("gpt2-tiny" if n_layer == 4 else f"gpt2-tiny-{n_layer}l", n_layer, 256, 4, 1000, 256,
+                 batch_size, seq_len, dtype, seed, device)
+
+
+def gpt2_small(
+    n_layer: int = 12,
+    batch_size: int = 8,
+    seq_len: int = 1024,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cuda",
+) -> BenchModel:
+    """GPT-2 small's shape (124M parameters: 768 wide, 12 heads, GPT-2's 50,257-token vocabulary, 1024
+    positions), random weights: a GPU-sized model, where kernels rather than per-op dispatch make the step."""
+    return _gpt2("gpt2-small" if n_layer == 12 else f"gpt2-small-{n_layer}l", n_layer, 768, 12, 50257, 1024,
+                 batch_size, seq_len, dtype, seed, device)
+
+
+def _gpt2(
+    name: str, n_layer: int, n_embd: int, n_head: int, vocab_size: int, n_positions: int,
+    batch_size: int, seq_len: int, dtype: torch.dtype, seed: int, device: torch.device | str,
+) -> BenchModel:
     from transformers import GPT2Config, GPT2LMHeadModel  # optional dependency; only this model needs it
 
-    vocab_size = 1000
     config = GPT2Config(
         n_layer=n_layer,
-        n_embd=256,
-        n_head=4,
-        n_positions=256,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_positions=n_positions,
         vocab_size=vocab_size,
         resid_pdrop=0.1,
         embd_pdrop=0.1,
         attn_pdrop=0.1,
         use_cache=False,
-        bos_token_id=vocab_size - 1,  # GPT-2's 50256 lies outside the cut vocabulary
+        bos_token_id=vocab_size - 1,  # GPT-2's 50256 lies outside a cut vocabulary
         eos_token_id=vocab_size - 1,
     )
     if seq_len > config.n_positions:
@@ -71,7 +92,7 @@ def gpt2_tiny(
         return (), {"input_ids": input_ids, "labels": input_ids}
 
     return BenchModel(
-        name="gpt2-tiny" if n_layer == 4 else f"gpt2-tiny-{n_layer}l",
+        name=name,
         module=module,
         make_batch=make_batch,
         loss=lambda output: output.loss,
@@ -278,10 +299,13 @@ MODELS: dict[str, Callable[..., BenchModel]] = {
     "t5-tiny": t5_tiny,
     "unet-tiny": unet_tiny,
 }
+# GPU-sized models: too big for the CPU tests that build every model in MODELS; the bench CLI takes them by name.
+GPU_MODELS: dict[str, Callable[..., BenchModel]] = {"gpt2-small": gpt2_small}
 
 
 def build(name: str, **kwargs: Any) -> BenchModel:
     """Build a benchmark model by name; ``kwargs`` go to its factory (``dtype``, ``seed``, sizes)."""
-    if name not in MODELS:
-        raise KeyError(f"bench.models: unknown model {name!r}; choose one of {sorted(MODELS)}.")
-    return MODELS[name](**kwargs)
+    factory = MODELS.get(name) or GPU_MODELS.get(name)
+    if factory is None:
+        raise KeyError(f"bench.models: unknown model {name!r}; choose one of {sorted(MODELS) + sorted(GPU_MODELS)}.")
+    return factory(**kwargs)

@@ -50,7 +50,7 @@ Batch = tuple[tuple[Any, ...], dict[str, Any]]
 # The eager peers (bench/peers.py's EAGER_PEERS) this benchmark measures, in report order; drop_cheap is compare's.
 RUN_PEERS = ("none", "per_layer", "sqrt_n")
 # The factory argument that sets each model's number of repeated layers (``--n-layer``).
-LAYER_COUNT_ARG = {"gpt2-tiny": "n_layer", "mlp-chain": "n_blocks"}
+LAYER_COUNT_ARG = {"gpt2-tiny": "n_layer", "gpt2-small": "n_layer", "mlp-chain": "n_blocks"}
 
 GRAD_SEED = 1234  # re-seeded before every compared step, so dropout masks match across strategies
 BATCH_SEED = 0

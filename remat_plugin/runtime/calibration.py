@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.export import EAGER
-from remat_plugin.capture.memory_meter import allocator_trace, memory_profile, warm_backward_workspaces
+from remat_plugin.capture.memory_meter import allocator_slack, allocator_trace, memory_profile, warm_backward_workspaces
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime import dist
@@ -102,9 +102,10 @@ class Calibration:
     def __init__(self) -> None:
         self.corrections: dict[str, list[int]] = {}
 
-    def bytes_for(self, key: str) -> int:
-        """Bytes the planner keeps back for this signature, on top of the safety margin."""
-        return sum(self.corrections.get(key, ()))
+    def bytes_for(self, call: Call) -> int:
+        """Bytes the planner keeps back for this call's signature, on top of the safety margin: the corrections,
+        and on CUDA the caching allocator's slack (NOTE [allocator slack] in capture/memory_meter.py)."""
+        return sum(self.corrections.get(call.key, ())) + allocator_slack(call.device)
 
     def correct(self, call: Call, plan: Plan, measured: int) -> bool:
         """Whether ``measured`` (the plan's metered peak) calls for a new plan; the correction is then recorded.

@@ -27,8 +27,9 @@ NOTE [FSDP2 budget]
     peak of all ranks taken, and rank 0 gives the groups the fastest plans whose extra memory
     bound, ``sum_g n_g * dk_g + max_g(max(0, dw_g))`` (``dk``, ``dw``: kept and working bytes over
     those of the lowest plan; ``n_g``: the group's calls per step), fits what is left under the
-    budget.  Another metered step checks them: above the budget, the units go back to the plans
-    metered before (with a warning the first time).  The bound is an upper estimate (every unit's
+    budget.  Another metered step checks them: above the budget's usable part (less the safety margin and,
+    on CUDA, the allocator's slack: NOTE [allocator slack]), the units go back to the plans metered before
+    (with a warning the first time).  The bound is an upper estimate (every unit's
     extra kept bytes and one unit's working memory at the step's peak at once): where the meter
     shows less than it, the allowance is scaled by bound / measured (at most doubled) and the plans
     chosen and metered again, up to :data:`MAX_CHOICES` times.  A group's faster plan may go to
@@ -58,7 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from remat_plugin.capture.export import ExecutionOptions
 from remat_plugin.capture.forward_swap import ForwardSwap
-from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
+from remat_plugin.capture.memory_meter import allocator_slack, allocator_trace, memory_profile
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
@@ -221,7 +222,10 @@ class FsdpRemat:
 
     def _settle(self, groups: list[UnitGroup], args: tuple, kwargs: dict, budget: int, lowest_peak: int) -> None:
         """Choose, meter, and choose again with the bound rescaled by what the meter showed (NOTE [FSDP2 budget])."""
-        room = budget - safety_margin(budget) - lowest_peak  # what the lowest plans leave of the budget
+        # A chosen set is kept only if its metered peak leaves the margin and the allocator's slack free: the next
+        # steps of the same plans measure differently (NOTE [allocator slack]), and the budget is theirs.
+        usable = budget - safety_margin(budget) - allocator_slack(self._device)
+        room = usable - lowest_peak  # what the lowest plans leave of the budget
         allowance = room
         accepted = {g.key: (g.plan, len(g.faster)) for g in groups}
         for attempt in range(MAX_CHOICES):
@@ -229,10 +233,11 @@ class FsdpRemat:
             if predicted is None:  # the same plans as the last metered ones
                 return
             peak = self._metered_step(args, kwargs)
-            if peak > budget:
+            if peak > usable:
                 say = log.warning if attempt == 0 else log.info
-                say("remat_plugin.fsdp: the units' chosen plans measured %s, %s over the budget of %s; they keep the "
-                    "plans metered before", human_bytes(peak), human_bytes(peak - budget), human_bytes(budget))
+                say("remat_plugin.fsdp: the units' chosen plans measured %s, %s over the %s usable of the budget of %s; "
+                    "they keep the plans metered before", human_bytes(peak), human_bytes(peak - usable),
+                    human_bytes(usable), human_bytes(budget))
                 for g in groups:
                     g.run(*accepted[g.key])
                 return

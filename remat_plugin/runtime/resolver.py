@@ -249,7 +249,7 @@ class StepResolver:
             step = plan_step(self.module, call, budget_bytes, ilp_time_limit_s=self.ilp_time_limit_s,
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
                              dropped_outputs=dropped_outputs, ungraded_outputs=ungraded_outputs,
-                             calibration_bytes=self.calibration.bytes_for(call.key),
+                             calibration_bytes=self.calibration.bytes_for(call),
                              options=self.execution, exported=exported)
             step.to_meter = True
             if now and not step.checked:

@@ -7,7 +7,7 @@
 #     transformers==5.24.0
 # Then, from the repository root there:  OUT=<folder> bash tests/cuda/device_check.sh
 # Writes: cuda_tests.log (tests/cuda, the float32 tests in a process of their own), bench_cuda.{json,log} (python -m remat_plugin.bench --device cuda),
-# compare_cuda.{md,json} (bench compare --device cuda, inductor).  Each step has its own time limit, so a slow one
+# compare_cuda.{md,json} (bench compare --device cuda, inductor), bench_cuda_big.{json,log} (gpt2-small, when BIG_S > 0).  Each step has its own time limit, so a slow one
 # leaves the others' results.
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -34,6 +34,13 @@ for selection in "not float32" "float32"; do
     "$REPO/tests/cuda" 2>&1 | tee -a "$OUT/cuda_tests.log"
   echo "tests/cuda -k '$selection' exit: ${PIPESTATUS[0]}" | tee -a "$OUT/cuda_tests.log"
 done
+
+# A GPU-sized model (GPT-2 small's shape at 8 x 1024), where kernels rather than per-op dispatch make the step.
+if [ "${BIG_S:-0}" -gt 0 ]; then
+  timeout "$BIG_S" python3 -X faulthandler -m remat_plugin.bench --device cuda --model gpt2-small \
+    --budgets "${BIG_BUDGETS:-1.0,0.5}" --pairs 5 --json "$OUT/bench_cuda_big.json" 2>&1 | tee "$OUT/bench_cuda_big.log"
+  echo "big bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench_cuda_big.log"
+fi
 
 timeout "${BENCH_S:-130}" python3 -X faulthandler -m remat_plugin.bench --device cuda --model "${BENCH_MODELS:-gpt2-tiny,llama-tiny,resnet-tiny}" \
   --budgets "${BENCH_BUDGETS:-1.0,0.6,0.4,0.3}" --pairs 7 --json "$OUT/bench_cuda.json" 2>&1 | tee -a "$OUT/bench_cuda.log"

@@ -65,13 +65,14 @@ class BudgetFormatError(OptionError):
 class InfeasibleBudgetError(RematError):
     """No schedule fits the budget; carries the smallest budget that would work."""
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int, what: str = "forward+backward"):
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, what: str = "forward+backward",
+                 advice: str = "Raise the budget to at least that, or reduce the batch size."):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
         super().__init__(
             f"remat_plugin.plan: no schedule of the {what} fits the budget of {budget_bytes} bytes "
             f"({human_bytes(budget_bytes)}); the smallest feasible budget is {min_feasible_bytes} bytes "
-            f"({human_bytes(min_feasible_bytes)}). Raise the budget to at least that, or reduce the batch size."
+            f"({human_bytes(min_feasible_bytes)}). {advice}"
         )
 
 

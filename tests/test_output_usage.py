@@ -11,6 +11,8 @@ import torch
 from budgets import assert_same_grads_and_buffers
 
 from remat_plugin import rematerialize
+from remat_plugin.errors import InfeasibleBudgetError
+from remat_plugin.runtime.module import RematModule
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 
 pytest.importorskip("transformers")
@@ -186,3 +188,44 @@ def test_a_step_without_gradients_after_planning_runs():
     ours = rm(*batch[0], **batch[1]).loss
     torch.manual_seed(2)
     assert torch.equal(ours, reference(*batch[0], **batch[1]).loss) and not ours.requires_grad
+
+
+def _floors(module, batch):
+    """The smallest feasible budget with every output kept (what a first plan assumes), and with only the loss."""
+    held = rematerialize(module, *batch, budget=10**12, verbose=False).plan
+    reference = copy.deepcopy(module)
+    rm = rematerialize(module, *batch, budget=(held.min_feasible_bytes + held.baseline_peak_bytes) // 2, verbose=False)
+    for seed in range(3):
+        _step(rm, reference, batch, seed)
+    assert rm.plan.dropped_outputs == (LOGITS,)
+    return held.min_feasible_bytes, rm.plan.min_feasible_bytes
+
+
+@pytest.mark.parametrize("planned_by", ["rematerialize", "RematModule"])  # planned before the first call, or in it
+def test_a_budget_only_the_loss_only_step_fits_plans_it_first_and_refuses_a_caller_that_keeps_the_logits(planned_by):
+    """NOTE [loss-only first plan]: between the floor with the logits dropped and the floor with them kept, the first
+    call plans with only the loss kept (gradients bitwise eager's, each step within the budget); a caller that keeps
+    the logits through backward() is refused before its backward runs, with both floors named."""
+    module, reference, batch = _gpt2()
+    held_floor, loss_only_floor = _floors(module, batch)
+    assert loss_only_floor < held_floor - 2**20, (loss_only_floor, held_floor)
+    budget = (loss_only_floor + held_floor) // 2
+    if planned_by == "rematerialize":
+        rm = rematerialize(module, *batch, budget=budget, verbose=False)
+    else:
+        rm = RematModule(module, budget, verbose=False)
+    for seed in range(3):
+        peak = _step(rm, reference, batch, seed)
+        assert peak <= budget, (seed, peak, budget)
+    assert rm.plan.dropped_outputs == (LOGITS,) and rm._resolver.n_refined == 0
+
+    grads = [p.grad for p in module.parameters()]
+    with pytest.raises(InfeasibleBudgetError, match=r"keeps output\(s\) \[1\] through backward\(\).*Drop them") as err:
+        _step(rm, reference, batch, 3, keep_output=True)
+    assert err.value.min_feasible_bytes == held_floor
+    assert all(p.grad is None for p in module.parameters()) and any(g is not None for g in grads)
+
+    with pytest.raises(InfeasibleBudgetError, match=r"with only the loss kept fits.*\(\d+\.\d+ MiB for a step that keeps "
+                       r"the other outputs") as err:
+        rematerialize(module, *batch, budget=loss_only_floor - 2**20, verbose=False)
+    assert err.value.min_feasible_bytes <= loss_only_floor + 2**16

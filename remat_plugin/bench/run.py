@@ -97,10 +97,10 @@ def run_model(
     context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
 
     rows = [context.row(name, peer_step_of(bench, name)) for name in applicable_peers(bench, RUN_PEERS)]
-    min_feasible_bytes: int | None = None  # the plan's problem does not depend on the budget
     for fraction in budgets:
-        row, min_feasible_bytes = _ours_row(context, fraction, min_feasible_bytes)
-        rows.append(row)
+        # Each budget is planned, none skipped for an earlier plan's floor: that floor assumed what the earlier plan
+        # knew of the outputs' use (NOTE [loss-only first plan] in remat_plugin.runtime.resolver).
+        rows.append(_ours_row(context, fraction))
         gc.collect()  # the plan's module and its compiled step are gone; free them before the next plan
     for row in rows:
         row["meta"] = dict(bench.meta)
@@ -160,28 +160,20 @@ def settled_copy(bench: BenchModel, budget_bytes: int, batch: Batch) -> tuple[Be
     return ours, rm
 
 
-def _ours_row(context: _RunContext, fraction: float, min_feasible_bytes: int | None) -> tuple[BenchRow, int | None]:
+def _ours_row(context: _RunContext, fraction: float) -> BenchRow:
     bench = context.bench
     budget_bytes = int(fraction * context.none_peak)
     name = f"ours@{fraction:g}"
-    if min_feasible_bytes is not None and budget_bytes < min_feasible_bytes:
-        log.info(
-            "%s %s: below the smallest feasible budget %d of an earlier plan", bench.name, name, min_feasible_bytes
-        )
-        row = context.infeasible_row(name, fraction, budget_bytes, min_feasible_bytes, plan_wall_s=None)
-        return row, min_feasible_bytes
     attempt = plan_timed(bench, context.batch, budget_bytes, name)
     if attempt.min_feasible_bytes is not None:
-        row = context.infeasible_row(name, fraction, budget_bytes, attempt.min_feasible_bytes, attempt.plan_s)
-        return row, attempt.min_feasible_bytes
+        return context.infeasible_row(name, fraction, budget_bytes, attempt.min_feasible_bytes, attempt.plan_s)
     if attempt.rm is None:
         row = context.base_row(name, fraction, budget_bytes)
         row["error"] = attempt.error
-        return row, min_feasible_bytes
-    rm, plan_wall_s = attempt.rm, attempt.plan_s
-    row = _measure_plan(context, rm, fraction, budget_bytes)
-    row["plan_wall_s"] = plan_wall_s  # capture + profile + solve, as the user waits for it
-    return row, row["min_feasible_bytes"]
+        return row
+    row = _measure_plan(context, attempt.rm, fraction, budget_bytes)
+    row["plan_wall_s"] = attempt.plan_s  # capture + profile + solve, as the user waits for it
+    return row
 
 
 def _measure_plan(context: _RunContext, rm: RematModule, fraction: float, budget_bytes: int) -> BenchRow:

@@ -271,6 +271,10 @@ class CompiledStep:
     traced_whole: Callable[[], Callable] | None = None
     model_name: str = ""
     planning_only: bool = False  # a call made only to plan: the forward program need not run (NOTE [planning runs])
+    out_scalars: list[int] = field(default_factory=list)  # flat tensor outputs of one floating element (a loss)
+    # Called with the usage its backward sees, before anything is recorded: raises to refuse a usage the plan
+    # cannot run within its budget (NOTE [loss-only first plan] in remat_plugin.runtime.resolver).
+    refuse_usage: Callable[[OutputUsage], None] | None = None
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -313,6 +317,8 @@ class CompiledStep:
         return pytree.tree_unflatten(out_leaves, self.out_spec)
 
     def _record(self, usage: OutputUsage) -> None:
+        if self.refuse_usage is not None:
+            self.refuse_usage(usage)
         self.usage = usage
 
     def _keep_missing_gradients(self, flat_out: tuple) -> None:
@@ -405,7 +411,9 @@ def build_step(
         out_leaves, step.out_spec = pytree.tree_flatten(out)
         step.out_tensor_positions = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         step.out_constants = {i: x for i, x in enumerate(out_leaves) if not isinstance(x, torch.Tensor)}
-        return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        tensors = tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+        step.out_scalars = [i for i, t in enumerate(tensors) if t.numel() == 1 and t.is_floating_point()]
+        return tensors
 
     n_params = len(dict(module.named_parameters()))
 

@@ -83,6 +83,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
+from remat_plugin.capture.memory_meter import warm_backward_workspaces
 from remat_plugin.errors import OptionError, RematError
 from remat_plugin.integrations.checkpointing import settle_checkpointing
 from remat_plugin.ir.plan import Plan
@@ -305,6 +306,7 @@ def prepare(accelerator: Accelerator, model: nn.Module, budget: int | str | None
                      wrap_forward=_mixed_precision_forward(accelerator))
     add_hook_to_module(target, hook, append=True)
     _keep_plans_in_checkpoints(accelerator, target, hook)
+    warm_backward_workspaces(accelerator.device)  # cuBLAS's one-time blocks, made before the first step meters
     if config.verbose:
         announce(f"remat_plugin.accelerate: rewriting {type(target).__name__} "
                  f"({sum(p.numel() for p in target.parameters()):,} parameters), budget {config.budget}", log)

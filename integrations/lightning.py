@@ -35,6 +35,7 @@ from torch import nn
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.capture.forward_swap import ForwardSwap
+from remat_plugin.capture.memory_meter import warm_backward_workspaces
 from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import OptionError, RematError, human_bytes
 from remat_plugin.integrations.checkpointing import settle_checkpointing
@@ -165,6 +166,12 @@ class AutoRemat(pl.Callback):
             self._install(trainer, pl_module)
         if self.config.auto_batch_size and self.session is not None and self.batch_size_choice is None:
             self._choose_batch_size(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # cuBLAS's per-thread workspaces (64 MiB on an H200, released by each fit's closing empty_cache) are made
+        # now, not inside the first training step: that step's rise is the plan's alone.
+        if self.session is not None or self.fsdp is not None:
+            warm_backward_workspaces(pl_module.device)
 
     def _choose_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Probe the first batch, choose and verify the size, set it, and let fit rebuild the dataloader."""

@@ -59,7 +59,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from remat_plugin.capture.export import ExecutionOptions
 from remat_plugin.capture.forward_swap import ForwardSwap
-from remat_plugin.capture.memory_meter import allocator_slack, allocator_trace, memory_profile
+from remat_plugin.capture.memory_meter import (
+    allocator_slack,
+    allocator_trace,
+    memory_profile,
+    warm_backward_workspaces,
+)
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
@@ -263,6 +268,7 @@ class FsdpRemat:
         for g in self.groups.values():
             g.calls = 0
         self._metering = True
+        warm_backward_workspaces(self._device)  # cuBLAS's one-time blocks are not the step's (calibration's reason)
         try:
             with suspended_user_modes(), unobserved(self.model, self._device), \
                     memory_profile(cuda=self._device.type == "cuda") as prof:

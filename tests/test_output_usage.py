@@ -11,9 +11,9 @@ import torch
 from budgets import assert_same_grads_and_buffers
 
 from remat_plugin import rematerialize
+from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.runtime.module import RematModule
-from remat_plugin.capture.memory_meter import measure_peak_profiler
 
 pytest.importorskip("transformers")
 from remat_plugin.bench.models import build
@@ -190,42 +190,98 @@ def test_a_step_without_gradients_after_planning_runs():
     assert torch.equal(ours, reference(*batch[0], **batch[1]).loss) and not ours.requires_grad
 
 
-def _floors(module, batch):
-    """The smallest feasible budget with every output kept (what a first plan assumes), and with only the loss."""
-    held = rematerialize(module, *batch, budget=10**12, verbose=False).plan
-    reference = copy.deepcopy(module)
-    rm = rematerialize(module, *batch, budget=(held.min_feasible_bytes + held.baseline_peak_bytes) // 2, verbose=False)
-    for seed in range(3):
-        _step(rm, reference, batch, seed)
-    assert rm.plan.dropped_outputs == (LOGITS,)
-    return held.min_feasible_bytes, rm.plan.min_feasible_bytes
+def _refused_step(rm, reference, batch, seed, label, loss_of=lambda out: out.loss, keep_output=False):
+    with pytest.raises(InfeasibleBudgetError, match=label + r".*Keep only the loss.*refused before it ran") as err:
+        _step(rm, reference, batch, seed, keep_output=keep_output, loss_of=loss_of)
+    assert all(p.grad is None for p in rm.parameters())
+    return err.value
 
 
 @pytest.mark.parametrize("planned_by", ["rematerialize", "RematModule"])  # planned before the first call, or in it
-def test_a_budget_only_the_loss_only_step_fits_plans_it_first_and_refuses_a_caller_that_keeps_the_logits(planned_by):
-    """NOTE [loss-only first plan]: between the floor with the logits dropped and the floor with them kept, the first
-    call plans with only the loss kept (gradients bitwise eager's, each step within the budget); a caller that keeps
-    the logits through backward() is refused before its backward runs, with both floors named."""
+def test_a_budget_below_the_first_plans_floor_plans_the_logits_without_gradient_or_freed_and_refuses_other_uses(
+        planned_by):
+    """NOTE [loss-only first plan], gpt2-tiny.  1 MiB below the floor of a first plan (every output kept and
+    differentiated; the process keeps that planner, so the floor is the same there), the first call plans the
+    logits held without a gradient, or, where that does not fit either, freed after the forward.  A loop keeping
+    only the loss runs within the budget with gradients bitwise eager's; a gradient into the logits, and (where
+    the plan frees them) holding them, is refused before the backward runs, naming the first plan's floor.
+    Far below it, the error names every floor."""
     module, reference, batch = _gpt2()
-    held_floor, loss_only_floor = _floors(module, batch)
-    assert loss_only_floor < held_floor - 2**20, (loss_only_floor, held_floor)
-    budget = (loss_only_floor + held_floor) // 2
-    if planned_by == "rematerialize":
-        rm = rematerialize(module, *batch, budget=budget, verbose=False)
-    else:
-        rm = RematModule(module, budget, verbose=False)
+    floor = rematerialize(module, *batch, budget=10**12, verbose=False).plan.min_feasible_bytes
+    make = (lambda b: rematerialize(module, *batch, budget=b, verbose=False)) if planned_by == "rematerialize" \
+        else (lambda b: RematModule(module, b, verbose=False))
+
+    budget = floor - 2**20
+    rm = make(budget)
     for seed in range(3):
-        peak = _step(rm, reference, batch, seed)
-        assert peak <= budget, (seed, peak, budget)
-    assert rm.plan.dropped_outputs == (LOGITS,) and rm._resolver.n_refined == 0
+        assert _step(rm, reference, batch, seed) <= budget
+    plan = rm.plan
+    print("first plan's floor", floor, "ungraded", plan.ungraded_outputs, "dropped", plan.dropped_outputs)
+    assert (plan.ungraded_outputs, plan.dropped_outputs) in {((LOGITS,), ()), ((), (LOGITS,))}, plan
+    assert rm._resolver.n_refined == 0  # the first plan was already the loop's
+    refused = _refused_step(rm, reference, batch, 3, r"sends a gradient into output\(s\) \[1\]",
+                            loss_of=lambda out: out.loss + out.logits.float().mean())
+    assert refused.min_feasible_bytes == floor
+    if plan.dropped_outputs:
+        refused = _refused_step(rm, reference, batch, 4, r"keeps output\(s\) \[1\] through backward\(\)",
+                                keep_output=True)
+        assert refused.min_feasible_bytes > budget  # the floor of a plan that holds them
+    else:
+        assert _step(rm, reference, batch, 4, keep_output=True) <= budget
 
-    grads = [p.grad for p in module.parameters()]
-    with pytest.raises(InfeasibleBudgetError, match=r"keeps output\(s\) \[1\] through backward\(\).*Drop them") as err:
-        _step(rm, reference, batch, 3, keep_output=True)
-    assert err.value.min_feasible_bytes == held_floor
-    assert all(p.grad is None for p in module.parameters()) and any(g is not None for g in grads)
+    with pytest.raises(InfeasibleBudgetError, match=r"with only the loss kept fits.*\(\d+\.\d+ MiB for a step that holds "
+                       r"the other outputs through backward\(\), \d+\.\d+ MiB for one that differentiates them\)"):
+        _step(make(floor - 8 * 2**20), reference, batch, 5)
 
-    with pytest.raises(InfeasibleBudgetError, match=r"with only the loss kept fits.*\(\d+\.\d+ MiB for a step that keeps "
-                       r"the other outputs") as err:
-        rematerialize(module, *batch, budget=loss_only_floor - 2**20, verbose=False)
-    assert err.value.min_feasible_bytes <= loss_only_floor + 2**16
+
+class _TinyLM(torch.nn.Module):
+    """A language model whose logits (16 MiB at 32 x 64 tokens) outweigh everything else: its floors with the
+    logits differentiated, held without a gradient, and dropped lie a logits tensor apart."""
+
+    def __init__(self, vocab: int = 2048, hidden: int = 32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.body = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+                                        torch.nn.Linear(hidden, hidden), torch.nn.GELU())
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.body(self.emb(ids)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def test_the_first_plan_steps_down_from_differentiated_to_held_to_dropped_logits():
+    """NOTE [loss-only first plan]: below the first plan's floor, the logits are planned held without a gradient
+    (a loop holding them runs, a gradient into them is refused); below that plan's floor, freed (holding them is
+    refused too); below that, the error names all three floors."""
+    torch.manual_seed(0)
+    module, ids = _TinyLM(), torch.randint(0, 2048, (32, 64))
+    reference, batch = copy.deepcopy(module), ((ids, ids), {})
+    loss_of = lambda out: out[0]
+    graded = rematerialize(module, *batch, budget=10**12, verbose=False).plan.min_feasible_bytes
+
+    rm = rematerialize(module, *batch, budget=graded - 2**20, verbose=False)
+    assert rm.plan.ungraded_outputs == (LOGITS,) and rm.plan.dropped_outputs == ()
+    held = rm.plan.min_feasible_bytes
+    assert held < graded - 8 * 2**20, (held, graded)
+    for seed, keep_output in enumerate((True, False, True)):
+        assert _step(rm, reference, batch, seed, keep_output=keep_output, loss_of=loss_of) <= graded - 2**20
+    refused = _refused_step(rm, reference, batch, 3, r"sends a gradient into output\(s\) \[1\]",
+                            loss_of=lambda out: out[0] + out[1].mean())
+    assert refused.min_feasible_bytes == graded
+
+    rm = rematerialize(module, *batch, budget=held - 2**20, verbose=False)
+    assert rm.plan.dropped_outputs == (LOGITS,)
+    dropped = rm.plan.min_feasible_bytes
+    assert dropped < held - 8 * 2**20, (dropped, held)
+    for seed in range(3):
+        assert _step(rm, reference, batch, seed, loss_of=loss_of) <= held - 2**20
+    refused = _refused_step(rm, reference, batch, 4, r"keeps output\(s\) \[1\] through backward\(\)",
+                            keep_output=True, loss_of=loss_of)
+    assert refused.min_feasible_bytes == held
+
+    with pytest.raises(InfeasibleBudgetError, match=r"with only the loss kept fits") as err:
+        rematerialize(module, *batch, budget=dropped - 2**20, verbose=False)
+    assert err.value.min_feasible_bytes == dropped
+    for floor in (held, graded):
+        assert f"{floor / 2**20:.2f} MiB" in str(err.value), (floor, str(err.value))

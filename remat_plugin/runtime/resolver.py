@@ -32,16 +32,17 @@ NOTE [output usage]
 
 NOTE [loss-only first plan]
     The first plan of a call cannot know yet what the caller does with the outputs, so it keeps
-    them all to the end of the step.  For a language model that costs the logits and their zero
-    gradient: on GPT-2 small's shape at 8 x 1024 (50,257-token vocabulary) the first plan's floor was
-    0.62 of the unmodified peak, where per-layer checkpointing measured 0.39 (an H200).  So when no
-    plan fits with every output kept, and the call returns one floating scalar (the loss) and other
-    tensors, it is planned again with only the loss kept: what ``loss = model(...).loss`` needs.
-    That plan's backward refuses, before any gradient is computed, a call whose caller still holds
-    one of the other outputs, or sends a gradient into one (:class:`InfeasibleBudgetError`, naming
-    them and the floor with them kept): such a step cannot run within the budget, and it raises
-    rather than run over it.  Only in one process: ranks that disagreed would leave the others
-    waiting in a collective.
+    them all to the end of the step, gradients included.  For a language model that costs the
+    logits and their zero gradient: on GPT-2 small's shape at 8 x 1024 (50,257-token vocabulary) the
+    first plan's floor was 0.62 of the unmodified peak, where per-layer checkpointing measured 0.39
+    (an H200).  So when no plan fits, and the call returns one floating scalar (the loss) beside
+    other tensors, it is planned again with the others held but given no gradient (``out =
+    model(...); out.loss.backward()``), and if that does not fit either, with them freed after the
+    forward (``loss = model(...).loss``).  The plan's backward refuses, before any gradient is
+    computed, a use it cannot run within the budget: a gradient sent into one of the others, or,
+    where the plan frees them, one of them still held (:class:`InfeasibleBudgetError`, naming the
+    floor that use needs).  Such a step raises rather than run over the budget.  Only in one
+    process: ranks that disagreed would leave the others waiting in a collective.
 
 NOTE [many shapes]
     A step is built per exact input shape: a plan made for a bucket is replayed on shorter inputs
@@ -154,9 +155,9 @@ class StepResolver:
         self.n_replayed = 0  # steps built from a known plan
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
-        # plan signature -> (outputs it frees that the caller must drop, the floor with them kept): NOTE [loss-only
-        # first plan]
-        self._loss_only: dict[str, tuple[frozenset[int], int]] = {}
+        # plan signature -> (the outputs other than the loss, whether the plan frees them or only gives them no
+        # gradient, the floors with them differentiated and held): NOTE [loss-only first plan]
+        self._loss_only: dict[str, tuple[frozenset[int], bool, tuple[int, ...]]] = {}
         self.calibration = Calibration()
         self.execution = ExecutionOptions(compile=compile, backward_segments=backward_segments,
                                           layers_once=trace_layers_once)  # backward_autocast: learned (NOTE [output usage])
@@ -408,43 +409,54 @@ class StepResolver:
         return step(call.args, call.kwargs)
 
     def _loss_only_step(self, call: Call, step: PlannedStep, exc: InfeasibleBudgetError) -> PlannedStep:
-        """A first plan with only the loss kept, when none fits with every output kept (NOTE [loss-only first
-        plan]); raises ``exc`` where that does not apply."""
+        """A first plan that gives the outputs other than the loss no gradient, or also frees them, when none fits
+        with every output kept and differentiated (NOTE [loss-only first plan]); raises ``exc`` where that does
+        not apply."""
         run = step.run
         n_outputs = len(getattr(run, "out_tensor_positions", ()))
         scalars = list(getattr(run, "out_scalars", ()))
         if dist.world_size() > 1 or len(scalars) != 1 or n_outputs < 2:
             raise exc
         others = frozenset(range(n_outputs)) - {scalars[0]}
-        log.info("remat_plugin: no plan of %s fits %s with every output kept (smallest %s); planning it again with "
-                 "only the loss kept (output %d)", call.signature.describe(), human_bytes(exc.budget_bytes),
-                 human_bytes(exc.min_feasible_bytes), scalars[0])
-        try:
-            loss_only = self.solve(call, exc.budget_bytes, now=True, dropped_outputs=others)
-        except InfeasibleBudgetError as lower:
-            raise InfeasibleBudgetError(
-                exc.budget_bytes, lower.min_feasible_bytes, what="forward+backward with only the loss kept",
-                advice=f"Raise the budget to at least that ({human_bytes(exc.min_feasible_bytes)} for a step that "
-                       "keeps the other outputs through backward()), or reduce the batch size.") from None
-        assert loss_only.plan is not None
-        self._loss_only[loss_only.plan.signature] = (others, exc.min_feasible_bytes)
-        self._refuse_held(loss_only, loss_only.plan.signature, exc.budget_bytes)
-        return loss_only
+        floors = [exc.min_feasible_bytes]  # with the others differentiated, then held without a gradient
+        for attempt in ("ungraded", "dropped"):
+            log.info("remat_plugin: no plan of %s fits %s (smallest %s); planning it again with output(s) %s %s",
+                     call.signature.describe(), human_bytes(exc.budget_bytes), human_bytes(floors[-1]),
+                     sorted(others), "given no gradient" if attempt == "ungraded" else "freed after the forward")
+            try:
+                planned = self.solve(call, exc.budget_bytes, now=True, ungraded_outputs=others) \
+                    if attempt == "ungraded" else self.solve(call, exc.budget_bytes, now=True, dropped_outputs=others)
+            except InfeasibleBudgetError as lower:
+                floors.append(lower.min_feasible_bytes)
+                continue
+            assert planned.plan is not None
+            self._loss_only[planned.plan.signature] = (others, attempt == "dropped", tuple(floors))
+            self._refuse_held(planned, planned.plan.signature, exc.budget_bytes)
+            return planned
+        raise InfeasibleBudgetError(
+            exc.budget_bytes, floors[-1], what="forward+backward with only the loss kept",
+            advice=f"Raise the budget to at least that ({human_bytes(floors[1])} for a step that holds the other "
+                   f"outputs through backward(), {human_bytes(floors[0])} for one that differentiates them), or "
+                   "reduce the batch size.") from None
 
     def _refuse_held(self, step: PlannedStep, signature: str, budget_bytes: int) -> None:
-        """Make ``step``'s backward refuse a caller that holds what its loss-only plan frees (NOTE [loss-only
-        first plan])."""
+        """Make ``step``'s backward refuse a caller that uses the other outputs more than its plan allows (NOTE
+        [loss-only first plan])."""
         if signature not in self._loss_only or not hasattr(step.run, "refuse_usage"):
             return
-        others, floor = self._loss_only[signature]
+        others, freed, floors = self._loss_only[signature]
         model = type(self.module).__name__
 
         def refuse(usage: OutputUsage) -> None:
-            held = sorted(others & (usage.held | usage.graded))
-            if held:
+            graded = sorted(others & usage.graded)
+            held = sorted(others & usage.held) if freed else []
+            if graded or held:
+                what = (f"step of {model} that sends a gradient into output(s) {graded}" if graded else
+                        f"step of {model} that keeps output(s) {held} through backward()")
                 raise InfeasibleBudgetError(
-                    budget_bytes, floor, what=f"step of {model} that keeps output(s) {held} through backward()",
-                    advice="Drop them before backward() (keep only the loss: `loss = model(...).loss`), or raise "
-                           "the budget to at least that. This backward was refused before it ran.")
+                    budget_bytes, floors[0] if graded else floors[1], what=what,
+                    advice="Keep only the loss (`loss = model(...).loss`, the other outputs dropped before "
+                           "backward()), or raise the budget to at least that. This backward was refused before "
+                           "it ran.")
 
         step.run.refuse_usage = refuse  # type: ignore[attr-defined]

@@ -285,3 +285,27 @@ def test_the_first_plan_steps_down_from_differentiated_to_held_to_dropped_logits
     assert err.value.min_feasible_bytes == dropped
     for floor in (held, graded):
         assert f"{floor / 2**20:.2f} MiB" in str(err.value), (floor, str(err.value))
+
+
+def test_a_calibration_re_plan_of_a_stepped_down_plan_still_refuses_a_gradient_into_the_logits(monkeypatch):
+    """The step-down plan metered 4 MiB above its prediction (a meter that reads high once): calibration plans
+    again, and that plan's backward still refuses a gradient into the logits."""
+    from remat_plugin.runtime import resolver
+
+    torch.manual_seed(0)
+    module, ids = _TinyLM(), torch.randint(0, 2048, (32, 64))
+    reference, batch = copy.deepcopy(module), ((ids, ids), {})
+    graded = rematerialize(module, *batch, budget=10**12, verbose=False).plan.min_feasible_bytes
+    real, readings = resolver.metered_step, []
+
+    def reads_high_once(module_, step, call):
+        readings.append(real(module_, step, call) + (4 << 20 if not readings else 0))
+        return readings[-1]
+
+    monkeypatch.setattr(resolver, "metered_step", reads_high_once)
+    rm = rematerialize(module, *batch, budget=graded - 2**20, verbose=False)
+    assert _step(rm, reference, batch, 0, loss_of=lambda out: out[0]) <= graded - 2**20
+    corrections = rm._resolver.calibration.corrections[next(iter(rm.steps))]
+    assert len(readings) == 2 and len(corrections) == 1 and rm.plan.ungraded_outputs == (LOGITS,)
+    _refused_step(rm, reference, batch, 1, r"sends a gradient into output\(s\) \[1\]",
+                  loss_of=lambda out: out[0] + out[1].mean())

@@ -271,6 +271,7 @@ class StepResolver:
                              calibration_bytes=self.calibration.bytes_for(call),
                              options=self.execution, exported=exported)
             step.to_meter = True
+            self._refuse_held(step, call.key, budget_bytes)  # a calibration's re-plan of a step-down plan
             if now and not step.checked:
                 try:
                     run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped

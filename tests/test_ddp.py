@@ -1,21 +1,14 @@
 """The rewritten module under DistributedDataParallel (2 CPU processes, gloo): DDP's gradient hooks fire."""
 import gc
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
+from two_ranks import spawn_two
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -46,7 +39,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_ddp_gradients_equal_plain_ddp(tmp_path):
     """Under DDP with different data per rank, planned gradients equal plain DDP's and agree across ranks."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["same"] and r1["same"]
     assert torch.equal(r0["first"], r1["first"]), "all-reduced gradients differ between ranks"
@@ -110,7 +103,7 @@ def _overlap_worker(rank: int, port: int, out_dir: str) -> None:
 def test_ddp_buckets_all_reduce_while_the_backward_runs(tmp_path):
     """DDP's first bucket is handed to its all-reduce before half the planned backward's matrix products ran (NOTE
     [segmented backward]); with the backward as one node, after all of them.  Gradients equal plain DDP's."""
-    mp.spawn(_overlap_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_overlap_worker, tmp_path)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"overlap{rank}.pt")
         for mode in ("one node", "segmented"):

@@ -2,22 +2,15 @@
 while it plans reaches the other rank instead of leaving it waiting."""
 import copy
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+from two_ranks import spawn_two
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _BranchyLayers(nn.Module):
@@ -67,7 +60,7 @@ def _fallback_worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_fallback_plan_is_agreed_and_run_on_every_rank(tmp_path):
     """An uncapturable model under 2 ranks: rank 0 makes the fallback plan, both run it, gradients equal eager."""
-    mp.spawn(_fallback_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_fallback_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["same"] and r1["same"]
     assert r0["fallback"] and r0["fallback"] == r1["fallback"] and "'layers'" in r0["fallback"]
@@ -99,7 +92,7 @@ def _failing_worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_any_failure_on_rank_zero_reaches_every_rank(tmp_path):
     """A RuntimeError on rank 0 during planning is raised on both ranks, with its message, within 30 s."""
-    mp.spawn(_failing_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_failing_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["message"] == "RuntimeError: injected failure while planning"
     assert r1["message"].startswith("RematError") and "injected failure while planning" in r1["message"]
@@ -145,7 +138,7 @@ def test_ranks_re_plan_together_for_the_outputs_their_callers_drop(tmp_path):
     """Under DDP, a loss-only loop on both ranks: rank 0 plans again with the logits dropped and both run it;
     once both hold the output through backward (no gradient reaching the logits), they re-plan for that.
     Gradients stay those of plain DDP, bitwise."""
-    mp.spawn(_outputs_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_outputs_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["record"] == r1["record"]
     assert all(same for same, _, _ in r0["record"])
@@ -199,7 +192,7 @@ def _calibration_worker(rank: int, port: int, out_dir: str) -> None:
 def test_ranks_meter_a_new_plan_and_correct_it_together(tmp_path):
     """NOTE [calibration] under DDP: every rank meters the agreed plan before its first step; one rank's peak above
     the prediction makes rank 0 plan again with the gap kept back, and both run that plan (metered in turn)."""
-    mp.spawn(_calibration_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_two(_calibration_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["same"] and r1["same"]
     assert r0["metered"] == r1["metered"] == 2  # the first plan, then the corrected one; nothing once settled

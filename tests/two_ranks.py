@@ -1,0 +1,25 @@
+"""Two gloo ranks in spawned processes, for the tests of DDP and of rank agreement."""
+from __future__ import annotations
+
+import socket
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_two(worker, out_dir) -> None:
+    """Run ``worker(rank, port, out_dir)`` on two ranks.  A rank that dies with SIGABRT (libstdc++'s "terminate
+    called without an active exception" as gloo's threads are torn down: about 1 run in 20 of a rank-agreement test
+    on this machine, with the code before and after 2026-11-26's changes alike; README Known limits) is run once
+    more, and only for that."""
+    try:
+        mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=2, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name != "SIGABRT":
+            raise
+        mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=2, join=True)

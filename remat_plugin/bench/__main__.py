@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from remat_plugin.bench.models import GPU_MODELS, MODELS
+from remat_plugin.bench.models import ALL_MODELS
 from remat_plugin.bench.report import (
     compare_with_peers,
     format_compare,
@@ -45,10 +45,10 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 def _names(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in MODELS and n not in GPU_MODELS]
+    unknown = [n for n in names if n not in ALL_MODELS]
     if not names or unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown model(s) {unknown or text!r}; choose from {', '.join(sorted(MODELS) + sorted(GPU_MODELS))}"
+            f"unknown model(s) {unknown or text!r}; choose from {', '.join(sorted(ALL_MODELS))}"
         )
     return names
 

@@ -23,7 +23,7 @@ from remat_plugin.bench.bench_model import Batch, BenchModel, generator, seeded
 from remat_plugin.bench.model_families import llama_tiny, mistral_tiny, padding_mask, t5_tiny, unet_tiny
 
 __all__ = [
-    "GPU_MODELS", "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_small", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mlp_chain", "resnet_tiny",
+    "ALL_MODELS", "GPU_MODELS", "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_small", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mlp_chain", "resnet_tiny",
     "t5_tiny", "unet_tiny",
 ]  # fmt: skip
 
@@ -301,11 +301,11 @@ MODELS: dict[str, Callable[..., BenchModel]] = {
 }
 # GPU-sized models: too big for the CPU tests that build every model in MODELS; the bench CLI takes them by name.
 GPU_MODELS: dict[str, Callable[..., BenchModel]] = {"gpt2-small": gpt2_small}
+ALL_MODELS: dict[str, Callable[..., BenchModel]] = {**MODELS, **GPU_MODELS}  # what build() and the CLI accept
 
 
 def build(name: str, **kwargs: Any) -> BenchModel:
     """Build a benchmark model by name; ``kwargs`` go to its factory (``dtype``, ``seed``, sizes)."""
-    factory = MODELS.get(name) or GPU_MODELS.get(name)
-    if factory is None:
-        raise KeyError(f"bench.models: unknown model {name!r}; choose one of {sorted(MODELS) + sorted(GPU_MODELS)}.")
-    return factory(**kwargs)
+    if name not in ALL_MODELS:
+        raise KeyError(f"bench.models: unknown model {name!r}; choose one of {sorted(ALL_MODELS)}.")
+    return ALL_MODELS[name](**kwargs)

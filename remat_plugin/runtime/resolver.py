@@ -398,12 +398,10 @@ class StepResolver:
                 run_unobserved(self.module, step, call)  # capture and planning outside the caller's modes
             if budget is not None:
                 step = self._calibrated_step(call, step, budget)
-            if step.checked or budget is None:
+            try:
                 return step(call.args, call.kwargs)
-            try:  # a lazy plan is made inside this call
-                return step(call.args, call.kwargs)
-            except InfeasibleBudgetError as exc:
-                if step.checked or step.plan is not None:
+            except InfeasibleBudgetError as exc:  # a lazy plan, made inside this call, found none
+                if budget is None or step.checked or step.plan is not None:
                     raise
                 step = self.steps[call.key] = self._loss_only_step(call, step, exc)
         self.latest = step = self._calibrated_step(call, step, budget)  # metered before its first call runs
@@ -420,18 +418,18 @@ class StepResolver:
             raise exc
         others = frozenset(range(n_outputs)) - {scalars[0]}
         floors = [exc.min_feasible_bytes]  # with the others differentiated, then held without a gradient
-        for attempt in ("ungraded", "dropped"):
+        for freed, use in ((False, "given no gradient"), (True, "freed after the forward")):
             log.info("remat_plugin: no plan of %s fits %s (smallest %s); planning it again with output(s) %s %s",
                      call.signature.describe(), human_bytes(exc.budget_bytes), human_bytes(floors[-1]),
-                     sorted(others), "given no gradient" if attempt == "ungraded" else "freed after the forward")
+                     sorted(others), use)
             try:
-                planned = self.solve(call, exc.budget_bytes, now=True, ungraded_outputs=others) \
-                    if attempt == "ungraded" else self.solve(call, exc.budget_bytes, now=True, dropped_outputs=others)
+                planned = self.solve(call, exc.budget_bytes, now=True, dropped_outputs=others if freed else frozenset(),
+                                     ungraded_outputs=frozenset() if freed else others)
             except InfeasibleBudgetError as lower:
                 floors.append(lower.min_feasible_bytes)
                 continue
             assert planned.plan is not None
-            self._loss_only[planned.plan.signature] = (others, attempt == "dropped", tuple(floors))
+            self._loss_only[planned.plan.signature] = (others, freed, tuple(floors))
             self._refuse_held(planned, planned.plan.signature, exc.budget_bytes)
             return planned
         raise InfeasibleBudgetError(

@@ -7,9 +7,14 @@ from remat_plugin.capture.memory_meter import memory_profile
 
 
 def live_at_peak(fn, DEV):
-    kind = 1 if DEV == "cuda" else 0
     with memory_profile(cuda=DEV == "cuda") as prof:
         fn()
+    return live_at_peak_in(prof, DEV)
+
+
+def live_at_peak_in(prof, DEV):
+    """(peak, op at the peak, bytes live at the peak by allocating op, largest live blocks) of a finished session."""
+    kind = 1 if DEV == "cuda" else 0
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "t.json"); prof.export_chrome_trace(p); tr = json.load(open(p))["traceEvents"]
     ops = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"], e.get("tid")) for e in tr if e.get("ph") == "X" and e.get("cat") == "cpu_op")

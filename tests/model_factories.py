@@ -1,4 +1,5 @@
-"""A ``module:factory`` for ``remat plan`` tests: ``factory(batch_size=, seq_len=) -> (module, args, kwargs)``."""
+"""Test models: ``module:factory`` pairs for ``remat plan`` tests (``factory(batch_size=, seq_len=) -> (module, args,
+kwargs)``), and small models several test files share."""
 from __future__ import annotations
 
 import torch
@@ -24,3 +25,18 @@ def mlp(batch_size: int, seq_len: int):
 
 def not_a_factory(batch_size: int, seq_len: int):
     return "nothing"
+
+
+class TinyLM(nn.Module):
+    """A language model whose logits (16 MiB at 32 x 64 tokens) outweigh everything else: its floors with the
+    logits differentiated, held without a gradient, and dropped lie a logits tensor apart."""
+
+    def __init__(self, vocab: int = 2048, hidden: int = 32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.body = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU())
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        logits = self.head(self.body(self.emb(ids)))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 from budgets import assert_same_grads_and_buffers
+from model_factories import TinyLM
 
 from remat_plugin import rematerialize
 from remat_plugin.capture.memory_meter import measure_peak_profiler
@@ -234,28 +235,12 @@ def test_a_budget_below_the_first_plans_floor_plans_the_logits_without_gradient_
         _step(make(floor - 8 * 2**20), reference, batch, 5)
 
 
-class _TinyLM(torch.nn.Module):
-    """A language model whose logits (16 MiB at 32 x 64 tokens) outweigh everything else: its floors with the
-    logits differentiated, held without a gradient, and dropped lie a logits tensor apart."""
-
-    def __init__(self, vocab: int = 2048, hidden: int = 32):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, hidden)
-        self.body = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
-                                        torch.nn.Linear(hidden, hidden), torch.nn.GELU())
-        self.head = torch.nn.Linear(hidden, vocab)
-
-    def forward(self, ids, labels):
-        logits = self.head(self.body(self.emb(ids)))
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
-
-
 def test_the_first_plan_steps_down_from_differentiated_to_held_to_dropped_logits():
     """NOTE [loss-only first plan]: below the first plan's floor, the logits are planned held without a gradient
     (a loop holding them runs, a gradient into them is refused); below that plan's floor, freed (holding them is
     refused too); below that, the error names all three floors."""
     torch.manual_seed(0)
-    module, ids = _TinyLM(), torch.randint(0, 2048, (32, 64))
+    module, ids = TinyLM(), torch.randint(0, 2048, (32, 64))
     reference, batch = copy.deepcopy(module), ((ids, ids), {})
     loss_of = lambda out: out[0]
     graded = rematerialize(module, *batch, budget=10**12, verbose=False).plan.min_feasible_bytes
@@ -293,7 +278,7 @@ def test_a_calibration_re_plan_of_a_stepped_down_plan_still_refuses_a_gradient_i
     from remat_plugin.runtime import resolver
 
     torch.manual_seed(0)
-    module, ids = _TinyLM(), torch.randint(0, 2048, (32, 64))
+    module, ids = TinyLM(), torch.randint(0, 2048, (32, 64))
     reference, batch = copy.deepcopy(module), ((ids, ids), {})
     graded = rematerialize(module, *batch, budget=10**12, verbose=False).plan.min_feasible_bytes
     real, readings = resolver.metered_step, []
@@ -309,3 +294,28 @@ def test_a_calibration_re_plan_of_a_stepped_down_plan_still_refuses_a_gradient_i
     assert len(readings) == 2 and len(corrections) == 1 and rm.plan.ungraded_outputs == (LOGITS,)
     _refused_step(rm, reference, batch, 1, r"sends a gradient into output\(s\) \[1\]",
                   loss_of=lambda out: out[0] + out[1].mean())
+
+
+def test_a_stepped_down_plan_loaded_from_the_disk_cache_still_refuses_a_gradient_into_the_logits(tmp_path):
+    """The step-down's floors travel with the plan (``Plan.loss_only_floors``): a session that loads the plan from
+    the cache directory, solving nothing, runs the loss-only loop and refuses a gradient into the logits."""
+    from remat_plugin.runtime.config import RematConfig
+    from remat_plugin.runtime.session import RematSession
+
+    torch.manual_seed(0)
+    module, ids = TinyLM(), torch.randint(0, 2048, (32, 64))
+    graded = rematerialize(module, (ids, ids), budget=10**12, verbose=False).plan.min_feasible_bytes
+    config = RematConfig(budget=graded - 2**20, cache_dir=str(tmp_path), verbose=False)
+    sessions = []
+    for _ in range(2):  # the first plans and saves, the second (a resumed run) loads
+        copy_ = copy.deepcopy(module)
+        session = RematSession(copy_, config)
+        copy_.forward = session.dispatcher(copy_.forward)
+        copy_(ids, ids)[0].backward()
+        sessions.append((session, copy_))
+    (first, _), (second, resumed) = sessions
+    assert (first.n_solved, second.n_solved) == (1, 0)
+    assert second.plan.ungraded_outputs == (LOGITS,) and second.plan.loss_only_floors == (graded,)
+    out = resumed(ids, ids)
+    with pytest.raises(InfeasibleBudgetError, match=r"sends a gradient into output\(s\) \[1\].*refused before it ran"):
+        (out[0] + out[1].mean()).backward()

@@ -56,6 +56,10 @@ class Plan:
     # their gradients are left out of the backward program (NOTE [dropped tangents] in
     # remat_plugin.capture.dropped_tangents).
     ungraded_outputs: tuple[int, ...] = ()
+    # A first plan that stepped down (NOTE [loss-only first plan] in remat_plugin.runtime.resolver): the floors of
+    # the uses its backward refuses, the other outputs differentiated and, where it frees them, held without a
+    # gradient.  It travels with the plan (ranks, the disk cache), so every step running it refuses alike.
+    loss_only_floors: tuple[int, ...] = ()
     # Where planning's time went, in order: (stage, seconds); capture stages come from the runtime,
     # "block menus" and "budget search" from the planner.  Empty for replayed and fallback plans.
     planning_stages: tuple[tuple[str, float], ...] = ()
@@ -75,7 +79,7 @@ class Plan:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
         for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes", "dropped_outputs",
-                     "ungraded_outputs"):
+                     "ungraded_outputs", "loss_only_floors"):
             data[name] = tuple(data.get(name, ()))
         data["planning_stages"] = tuple((str(n), float(s)) for n, s in data.get("planning_stages", ()))
         return Plan(**data)

@@ -19,6 +19,11 @@ for it and every rank runs the new plan (NOTE [output usage] in
 :mod:`~remat_plugin.runtime.resolver`); every rank decides that alike from the same gathered data.
 A step agreed on is metered on every rank before its first call runs, and corrected together
 (NOTE [calibration]): one more collective per new plan.
+
+A first plan that keeps only the loss (NOTE [loss-only first plan] in :mod:`~remat_plugin.runtime.resolver`)
+is made only here, by rank 0 for every rank: its backward gathers every rank's verdict on what the callers did
+with the outputs, so all ranks must run it.  A call where ranks see different shapes while one of them would
+run such a plan raises on every rank, with the fix.
 """
 from __future__ import annotations
 
@@ -26,11 +31,12 @@ import functools
 import logging
 
 from remat_plugin.capture.export import OutputUsage
+from remat_plugin.errors import RematError, human_bytes
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.calibration import metered_step
 from remat_plugin.runtime.resolver import BudgetFn, StepResolver
-from remat_plugin.runtime.signature import Call
+from remat_plugin.runtime.signature import Call, describe
 from remat_plugin.runtime.steps import PlannedStep
 from remat_plugin.torch_private import profiler_active
 
@@ -53,8 +59,11 @@ class RankAgreement:
         known = self.resolver.known_step(call)  # None too when parameters were replaced since it was built
         usage = known.take_usage() if known is not None else None
         solved_here = known is not None and known.problem is not None
-        gathered = dist.all_gather((call.key, known is not None, usage, solved_here))
+        stepped_down = known.plan.loss_only_floors if known is not None and known.plan is not None else ()
+        gathered = dist.all_gather((call.key, known is not None, usage, solved_here, stepped_down))
         same_shapes = len({key for key, *_ in gathered}) == 1
+        if not same_shapes:
+            _refuse_stepped_down_apart(gathered)
         if known is not None and all(have for _, have, *_ in gathered):
             outputs = self._agreed_outputs(call, gathered) if same_shapes else None
             if outputs is None:
@@ -74,7 +83,7 @@ class RankAgreement:
         """The outputs every rank's caller drops or takes no gradient of, when rank 0's plan should be made
         again for them (NOTE [output usage] in :mod:`~remat_plugin.runtime.resolver`); the same on every rank,
         from what every rank saw."""
-        usages = [usage for _, _, usage, _ in gathered]
+        usages = [usage for _, _, usage, *_ in gathered]
         plan = self._agreed.get(call.key)
         if plan is None or plan.fallback or any(u is None for u in usages):
             return None
@@ -90,6 +99,10 @@ class RankAgreement:
         made: list[PlannedStep] = []  # on rank 0, the step planning built (when the bucket is the call's shapes)
 
         def plan_on_rank_zero() -> str:
+            with self.resolver.planning_for_every_rank():
+                return planned_on_rank_zero()
+
+        def planned_on_rank_zero() -> str:
             if outputs is not None:
                 solved = self.resolver.solve(call, budget_bytes, now=True, dropped_outputs=outputs[0],
                                              ungraded_outputs=outputs[1], refine=True)
@@ -151,3 +164,17 @@ class RankAgreement:
         if profiler_active():
             return True, None
         return False, metered_step(self.resolver.module, step, call)
+
+
+def _refuse_stepped_down_apart(gathered: list) -> None:
+    """Raise on every rank (all decide alike, from the gathered data) when ranks see different shapes and one of
+    them would run a first plan stepped down (NOTE [loss-only first plan]): that plan's backward checks the
+    callers' use of the outputs with every rank, which needs every rank to run it."""
+    for rank, (key, _, _, _, floors) in enumerate(gathered):
+        if floors:
+            raise RematError(
+                f"remat_plugin: ranks see different input shapes ({', '.join(describe(k) for k, *_ in gathered)}), "
+                f"and rank {rank}'s step for {describe(key)} is a first plan that keeps only the loss (NOTE "
+                "[loss-only first plan]): its backward checks what every rank's caller did with the outputs, so "
+                "every rank must run it. Give every rank batches of the same shapes (pad to fixed lengths), or "
+                f"raise the budget to at least {human_bytes(floors[0])} so the first plan keeps every output")

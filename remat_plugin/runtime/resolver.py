@@ -41,8 +41,11 @@ NOTE [loss-only first plan]
     forward (``loss = model(...).loss``).  The plan's backward refuses, before any gradient is
     computed, a use it cannot run within the budget: a gradient sent into one of the others, or,
     where the plan frees them, one of them still held (:class:`InfeasibleBudgetError`, naming the
-    floor that use needs).  Such a step raises rather than run over the budget.  Only in one
-    process: ranks that disagreed would leave the others waiting in a collective.
+    floor that use needs).  Such a step raises rather than run over the budget.  The floors are part
+    of the plan (``Plan.loss_only_floors``): a plan loaded from disk, or sent by rank 0, refuses alike.
+    Under several ranks rank 0 steps down, and each rank's backward gathers every rank's verdict
+    before it runs, so a refusal on one rank raises on all of them in that backward; none is left
+    waiting in the gradients' all-reduce.
 
 NOTE [many shapes]
     A step is built per exact input shape: a plan made for a bucket is replayed on shorter inputs
@@ -155,10 +158,10 @@ class StepResolver:
         self.n_replayed = 0  # steps built from a known plan
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
-        # plan signature -> (the outputs other than the loss, whether the plan frees them or only gives them no
-        # gradient, the floors with them differentiated and held): NOTE [loss-only first plan]
-        self._loss_only: dict[str, tuple[frozenset[int], bool, tuple[int, ...]]] = {}
         self.calibration = Calibration()
+        # Under several ranks a first plan steps down only when every rank will run it (NOTE [loss-only first plan]):
+        # while rank 0 plans for all of them (planning_for_every_rank), never for a rank planning its own shapes.
+        self._for_every_rank = False
         self.execution = ExecutionOptions(compile=compile, backward_segments=backward_segments,
                                           layers_once=trace_layers_once)  # backward_autocast: learned (NOTE [output usage])
 
@@ -175,6 +178,19 @@ class StepResolver:
         self.store.plans.clear()
         self.latest = None
         self.latest_added = None
+
+    @contextlib.contextmanager
+    def planning_for_every_rank(self):
+        """Inside, the plans made here are run by every rank (rank 0 planning for the rest): a first plan may step
+        down (NOTE [loss-only first plan])."""
+        was, self._for_every_rank = self._for_every_rank, True
+        try:
+            yield
+        finally:
+            self._for_every_rank = was
+
+    def _may_step_down(self) -> bool:
+        return dist.world_size() == 1 or self._for_every_rank
 
     # --- resolution ------------------------------------------------------------------------
     def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep:
@@ -207,6 +223,8 @@ class StepResolver:
     def replay_known(self, call: Call, budget_bytes: int) -> PlannedStep | None:
         """Step 2 of the module docstring: the tightest known plan that covers this call."""
         for plan in self.store.covering(call.signature, budget_bytes):
+            if plan.loss_only_floors and not self._may_step_down():
+                continue
             return self.replay(plan, call, budget_bytes)
         return None
 
@@ -215,7 +233,7 @@ class StepResolver:
         if plan.fallback:
             return fallback_step(self.module, call, plan)
         step = replay_step(self.module, call, plan, budget_bytes, self.execution)
-        self._refuse_held(step, plan.signature, budget_bytes)
+        _refuse_other_uses(step, plan, type(self.module).__name__)
         self.n_replayed += 1
         return step
 
@@ -224,7 +242,8 @@ class StepResolver:
         b_args, b_kwargs, changed = bucketed_inputs(call.args, call.kwargs, self.seq_bucket)
         bucket = Call.of(self.module, b_args, b_kwargs) if changed else call
         stored = self.store.load_from_disk(bucket.key)
-        if stored is not None and stored.predicted_peak_bytes <= budget_bytes:
+        if stored is not None and stored.predicted_peak_bytes <= budget_bytes and \
+                (not stored.loss_only_floors or self._may_step_down()):
             self.adopt(bucket.key, stored)
             if self.verbose:
                 self.report(summary_line(stored, type(self.module).__name__, loaded_from=self.store.cache_dir))
@@ -242,21 +261,30 @@ class StepResolver:
 
     def solve(self, call: Call, budget_bytes: int, now: bool | None = None, *,
               dropped_outputs: frozenset[int] = frozenset(), ungraded_outputs: frozenset[int] = frozenset(),
-              refine: bool = False) -> PlannedStep:
+              refine: bool = False, loss_only_floors: tuple[int, ...] = ()) -> PlannedStep:
         """Capture, profile and solve for this call; with ``now`` (default: not ``plan_lazily``) before returning.
 
         ``dropped_outputs``/``ungraded_outputs``/``refine``: a re-plan for the outputs the caller drops or takes
-        no gradient of (NOTE [output usage]).
+        no gradient of (NOTE [output usage]).  ``loss_only_floors``: the plan is a first plan stepped down (NOTE
+        [loss-only first plan]); a re-plan of such a plan for the same outputs (a calibration) stays one.
         """
         now = not self.plan_lazily if now is None else now
         model = type(self.module).__name__
         previous = self.steps.get(call.key)  # a step of this very call (a re-plan): its export is traced again
         exported = previous.exported_module() if previous is not None and previous.tensor_ids == call.tensor_ids \
             else None
+        before = previous.plan if previous is not None else None
+        if not loss_only_floors and before is not None and before.loss_only_floors and \
+                (before.dropped_outputs, before.ungraded_outputs) == (tuple(sorted(dropped_outputs)),
+                                                                      tuple(sorted(ungraded_outputs))):
+            loss_only_floors = before.loss_only_floors
         progress = PlanningProgress(f"planning {model}") if self.verbose else None
 
         def on_plan(step: PlannedStep) -> None:
             assert step.plan is not None
+            if loss_only_floors:
+                step.plan = dataclasses.replace(step.plan, loss_only_floors=loss_only_floors)
+                _refuse_other_uses(step, step.plan, model)
             self._add(call.key, step.plan, solved=not refine)
             self.n_refined += refine
             self.store.save_to_disk(call.key, step.plan)
@@ -271,7 +299,6 @@ class StepResolver:
                              calibration_bytes=self.calibration.bytes_for(call),
                              options=self.execution, exported=exported)
             step.to_meter = True
-            self._refuse_held(step, call.key, budget_bytes)  # a calibration's re-plan of a step-down plan
             if now and not step.checked:
                 try:
                     run_unobserved(self.module, step, call)  # traces and plans; the outputs are dropped
@@ -414,7 +441,7 @@ class StepResolver:
         run = step.run
         n_outputs = len(getattr(run, "out_tensor_positions", ()))
         scalars = list(getattr(run, "out_scalars", ()))
-        if dist.world_size() > 1 or len(scalars) != 1 or n_outputs < 2:
+        if len(scalars) != 1 or n_outputs < 2 or not self._may_step_down():
             raise exc
         others = frozenset(range(n_outputs)) - {scalars[0]}
         floors = [exc.min_feasible_bytes]  # with the others differentiated, then held without a gradient
@@ -423,39 +450,45 @@ class StepResolver:
                      call.signature.describe(), human_bytes(exc.budget_bytes), human_bytes(floors[-1]),
                      sorted(others), use)
             try:
-                planned = self.solve(call, exc.budget_bytes, now=True, dropped_outputs=others if freed else frozenset(),
-                                     ungraded_outputs=frozenset() if freed else others)
+                return self.solve(call, exc.budget_bytes, now=True, dropped_outputs=others if freed else frozenset(),
+                                  ungraded_outputs=frozenset() if freed else others, loss_only_floors=tuple(floors))
             except InfeasibleBudgetError as lower:
                 floors.append(lower.min_feasible_bytes)
-                continue
-            assert planned.plan is not None
-            self._loss_only[planned.plan.signature] = (others, freed, tuple(floors))
-            self._refuse_held(planned, planned.plan.signature, exc.budget_bytes)
-            return planned
         raise InfeasibleBudgetError(
             exc.budget_bytes, floors[-1], what="forward+backward with only the loss kept",
             advice=f"Raise the budget to at least that ({human_bytes(floors[1])} for a step that holds the other "
                    f"outputs through backward(), {human_bytes(floors[0])} for one that differentiates them), or "
                    "reduce the batch size.") from None
 
-    def _refuse_held(self, step: PlannedStep, signature: str, budget_bytes: int) -> None:
-        """Make ``step``'s backward refuse a caller that uses the other outputs more than its plan allows (NOTE
-        [loss-only first plan])."""
-        if signature not in self._loss_only or not hasattr(step.run, "refuse_usage"):
-            return
-        others, freed, floors = self._loss_only[signature]
-        model = type(self.module).__name__
 
-        def refuse(usage: OutputUsage) -> None:
-            graded = sorted(others & usage.graded)
-            held = sorted(others & usage.held) if freed else []
-            if graded or held:
-                what = (f"step of {model} that sends a gradient into output(s) {graded}" if graded else
-                        f"step of {model} that keeps output(s) {held} through backward()")
-                raise InfeasibleBudgetError(
-                    budget_bytes, floors[0] if graded else floors[1], what=what,
-                    advice="Keep only the loss (`loss = model(...).loss`, the other outputs dropped before "
-                           "backward()), or raise the budget to at least that. This backward was refused before "
-                           "it ran.")
 
-        step.run.refuse_usage = refuse  # type: ignore[attr-defined]
+def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
+    """Make ``step``'s backward refuse a caller that uses the outputs other than the loss more than ``plan``, a
+    first plan stepped down, allows (NOTE [loss-only first plan]).  With several ranks every rank's backward asks
+    the others, so a refusal on one stops all of them there, none left waiting in the gradients' all-reduce."""
+    floors = plan.loss_only_floors
+    if not floors or not hasattr(step.run, "refuse_usage"):
+        return
+    others = frozenset(plan.dropped_outputs) | frozenset(plan.ungraded_outputs)
+    freed = bool(plan.dropped_outputs)
+
+    def check(usage: OutputUsage) -> None:
+        graded = sorted(others & usage.graded)
+        held = sorted(others & usage.held) if freed else []
+        if graded or held:
+            what = (f"step of {model} that sends a gradient into output(s) {graded}" if graded else
+                    f"step of {model} that keeps output(s) {held} through backward()")
+            raise InfeasibleBudgetError(
+                plan.budget_bytes, floors[0] if graded else floors[1], what=what,
+                advice="Keep only the loss (`loss = model(...).loss`, the other outputs dropped before "
+                       "backward()), or raise the budget to at least that. This backward was refused before "
+                       "it ran.")
+
+    def refuse(usage: OutputUsage) -> None:
+        if dist.world_size() > 1:
+            dist.on_every_rank(lambda: check(usage), "checking, as backward() began, what its caller did with the "
+                                                      "outputs")
+        else:
+            check(usage)
+
+    step.run.refuse_usage = refuse  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from remat_plugin import rematerialize
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.runtime.module import RematModule
+from remat_plugin.runtime.reporting import summary_line
 
 pytest.importorskip("transformers")
 from remat_plugin.bench.models import build
@@ -256,7 +257,8 @@ def test_the_first_plan_steps_down_from_differentiated_to_held_to_dropped_logits
     assert refused.min_feasible_bytes == graded
 
     rm = rematerialize(module, *batch, budget=held - 2**20, verbose=False)
-    assert rm.plan.dropped_outputs == (LOGITS,)
+    assert rm.plan.dropped_outputs == (LOGITS,) and rm.plan.loss_only_floors == (graded, held)
+    assert "output(s) [1] are freed after the forward" in summary_line(rm.plan, "TinyLM")
     dropped = rm.plan.min_feasible_bytes
     assert dropped < held - 8 * 2**20, (dropped, held)
     for seed in range(3):
@@ -316,6 +318,8 @@ def test_a_stepped_down_plan_loaded_from_the_disk_cache_still_refuses_a_gradient
     (first, _), (second, resumed) = sessions
     assert (first.n_solved, second.n_solved) == (1, 0)
     assert second.plan.ungraded_outputs == (LOGITS,) and second.plan.loss_only_floors == (graded,)
+    told = summary_line(second.plan, "TinyLM", loaded_from=str(tmp_path))
+    assert f"output(s) [1] get none (a step that differentiates them needs {graded / 2**20:.2f} MiB)" in told, told
     out = resumed(ids, ids)
     with pytest.raises(InfeasibleBudgetError, match=r"sends a gradient into output\(s\) \[1\].*refused before it ran"):
         (out[0] + out[1].mean()).backward()

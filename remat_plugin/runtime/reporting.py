@@ -43,10 +43,23 @@ def summary_line(plan: Plan, model: str, *, elapsed_s: float = 0.0, loaded_from:
     fits = f"predicted peak {human_bytes(plan.predicted_peak_bytes)} under a {human_bytes(plan.budget_bytes)} budget"
     recomputed = sum(b.mode != "keep" for b in plan.blocks)
     if recomputed == 0:
-        return f"remat_plugin: {how}: the unmodified step fits ({fits}); nothing is recomputed"
+        return f"remat_plugin: {how}: the unmodified step fits ({fits}); nothing is recomputed{_loss_only(plan)}"
     return (f"remat_plugin: {how}: {fits} ({plan.predicted_peak_bytes / plan.baseline_peak_bytes:.2f} of the "
             f"unmodified {human_bytes(plan.baseline_peak_bytes)}), {plan.predicted_overhead:.2f}x the unmodified "
-            f"step time, {recomputed} of {len(plan.blocks)} blocks recomputed")
+            f"step time, {recomputed} of {len(plan.blocks)} blocks recomputed{_loss_only(plan)}")
+
+
+def _loss_only(plan: Plan) -> str:
+    """What a first plan that stepped down to the loss allows (NOTE [loss-only first plan]), or nothing."""
+    floors = plan.loss_only_floors
+    if not floors:
+        return ""
+    others = sorted({*plan.dropped_outputs, *plan.ungraded_outputs})
+    graded = f"a step that differentiates them needs {human_bytes(floors[0])}"
+    if plan.dropped_outputs:
+        return (f"; only the loss fits: output(s) {others} are freed after the forward (a step that holds them "
+                f"through backward() needs {human_bytes(floors[1])}, {graded})")
+    return f"; only the loss fits with a gradient: output(s) {others} get none ({graded})"
 
 
 def announce(message: str, logger: logging.Logger = log) -> None:

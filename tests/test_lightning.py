@@ -156,19 +156,48 @@ def test_ddp_two_processes_same_plan_and_losses(tmp_path):
               "trainer.strategy=ddp", "example.compare_unmodified=false", "remat.ilp_time_limit_s=0.2"]
     single, _, _, _ = _run(_options("data.seq_lens=[128]", "data.batches_per_len=1", "trainer.max_steps=1"))
     budget = max(single.peaks) * 6 // 10
-
-    def launch(*extra: str) -> list[dict]:
-        out = tmp_path / ("remat" if "example.remat=false" not in extra else "plain")
-        cmd = [sys.executable, str(ROOT / "examples" / "lightning_gpt2.py"), *common, f"example.out={out}", *extra]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
-
-    ours = launch(f"remat.budget={budget}")
-    plain = launch("example.remat=false")
+    ours = _launch_ddp(tmp_path, common, f"remat.budget={budget}")
+    plain = _launch_ddp(tmp_path, common, "example.remat=false")
     assert [r["world_size"] for r in ours] == [2, 2] and ours[0]["pid"] != ours[1]["pid"]
     assert ours[0]["plans"] == ours[1]["plans"] and len(ours[0]["plans"]) == 1
     assert [r["n_solved"] for r in ours] == [1, 0]
+    for mine, theirs in zip(ours, plain):
+        assert mine["losses"] == theirs["losses"]
+        assert max(mine["peaks"]) <= budget
+
+
+def _launch_ddp(tmp_path: Path, common: list[str], *extra: str) -> list[dict]:
+    """The example under ``trainer.strategy=ddp`` with 2 processes; each rank's results."""
+    out = tmp_path / ("remat" if "example.remat=false" not in extra else "plain")
+    cmd = [sys.executable, str(ROOT / "examples" / "lightning_gpt2.py"), *common, f"example.out={out}", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_ddp_below_the_first_plans_floor_trains_with_the_logits_given_no_gradient(tmp_path):
+    """strategy="ddp", 2 CPU processes, a budget below the floor of a first plan that keeps the logits with their
+    gradient (a large vocabulary makes them most of the step): rank 0 plans them held without a gradient (NOTE
+    [loss-only first plan]), both ranks train on that plan within the budget, losses equal DDP without it."""
+    from remat_plugin import rematerialize
+    from remat_plugin.ir.plan import Plan
+
+    vocab, tokens = 8000, (4, 128)
+    common = [*TINY, f"model.vocab_size={vocab}", f"data.seq_lens=[{tokens[1]}]", "data.batches_per_len=2",
+              "trainer.max_steps=2", "trainer.devices=2", "trainer.strategy=ddp", "example.compare_unmodified=false",
+              "remat.ilp_time_limit_s=0.2"]
+    options = _options(*common)
+    hf = GPT2Lit(**vars(options.model)).model.double().train()
+    ids = torch.randint(0, vocab, tokens)
+    first = rematerialize(hf, (), {"input_ids": ids, "labels": ids}, budget=10**12, verbose=False).plan
+    logits = tokens[0] * tokens[1] * vocab * 8
+    budget = first.min_feasible_bytes - logits * 3 // 4  # its held-logits floor lies about a logits and gradient below
+    ours = _launch_ddp(tmp_path, common, f"remat.budget={budget}")
+    plain = _launch_ddp(tmp_path, common, "example.remat=false")
+    assert ours[0]["plans"] == ours[1]["plans"] and [r["n_solved"] for r in ours] == [1, 0]
+    plan = Plan.from_json(next(iter(ours[0]["plans"].values())))
+    assert plan.ungraded_outputs == (1,) and plan.loss_only_floors == (first.min_feasible_bytes,)
     for mine, theirs in zip(ours, plain):
         assert mine["losses"] == theirs["losses"]
         assert max(mine["peaks"]) <= budget

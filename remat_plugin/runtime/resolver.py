@@ -461,7 +461,6 @@ class StepResolver:
                    "reduce the batch size.") from None
 
 
-
 def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
     """Make ``step``'s backward refuse a caller that uses the outputs other than the loss more than ``plan``, a
     first plan stepped down, allows (NOTE [loss-only first plan]).  With several ranks every rank's backward asks

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen
+from torch.multiprocessing.reductions import StorageWeakRef  # a weak reference to a storage, not to one tensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from remat_plugin.errors import RematError
@@ -54,6 +55,7 @@ __all__ = [
     "PlainAOTOutput",
     "SavedForBackwardsAOTOutput",
     "SavedForBackwardsNoVcCheckAOTOutput",
+    "StorageWeakRef",
     "TangentAOTInput",
     "TorchDispatchMode",
     "UnsupportedTorchError",

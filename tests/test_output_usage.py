@@ -323,3 +323,41 @@ def test_a_stepped_down_plan_loaded_from_the_disk_cache_still_refuses_a_gradient
     out = resumed(ids, ids)
     with pytest.raises(InfeasibleBudgetError, match=r"sends a gradient into output\(s\) \[1\].*refused before it ran"):
         (out[0] + out[1].mean()).backward()
+
+
+def test_a_detached_copy_of_freed_logits_counts_as_holding_them():
+    """A plan that frees the logits after the forward watches their storage, not one tensor: a caller keeping
+    ``out[1].detach()`` (as Lightning keeps a ``training_step``'s extra outputs) holds their memory through
+    backward(), and a stepped-down plan that frees them refuses that step before it runs."""
+    torch.manual_seed(0)
+    module, ids = TinyLM(), torch.randint(0, 2048, (32, 64))
+    graded = rematerialize(module, (ids, ids), budget=10**12, verbose=False).plan.min_feasible_bytes
+    held = rematerialize(module, (ids, ids), budget=graded - 2**20, verbose=False).plan.min_feasible_bytes
+    rm = rematerialize(module, (ids, ids), budget=held - 2**20, verbose=False)
+    assert rm.plan.dropped_outputs == (LOGITS,)
+    rm(ids, ids)[0].backward()  # the loss only: runs
+    out = rm(ids, ids)
+    loss, kept = out[0], out[1].detach()
+    del out
+    with pytest.raises(InfeasibleBudgetError, match=r"keeps output\(s\) \[1\] through backward\(\)"):
+        loss.backward()
+    assert kept.shape == (32, 64, 2048)
+
+
+def test_a_detached_copy_of_logits_a_refined_plan_frees_is_warned_about_and_planned_for(caplog):
+    """At a roomy budget the loop first drops the logits, so the plan is made again with them freed; a later step
+    keeping a detached copy is seen (its storage is alive), warned about, and the next call plans them kept."""
+    torch.manual_seed(0)
+    module, ids = TinyLM(), torch.randint(0, 2048, (32, 64))
+    rm = RematModule(module, 10**12, verbose=False)
+    for _ in range(2):
+        rm(ids, ids)[0].backward()
+    assert rm.plan.dropped_outputs == (LOGITS,)
+    out = rm(ids, ids)
+    loss, kept = out[0], out[1].detach()
+    del out
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        loss.backward()
+        rm(ids, ids)[0].backward()
+    assert "kept or differentiated output(s) [1]" in caplog.text
+    assert rm.plan.dropped_outputs == () and kept is not None

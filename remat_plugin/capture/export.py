@@ -29,6 +29,7 @@ from remat_plugin.torch_private import (
     BoxedCodeGen,
     InputMutationAOTOutput,
     PlainAOTInput,
+    StorageWeakRef,
     any_autocast_enabled,
     aot_function,
     is_tangent,
@@ -99,11 +100,19 @@ class OutputUsage:
 
 
 class _OutputWatch:
-    """One call's outputs, by weak reference to their storage's base tensor: a view the caller keeps keeps it."""
+    """One call's outputs, by weak reference to their storage's base tensor: a view the caller keeps keeps it.
+
+    Outputs the plan frees after the forward (``freed``) are watched by their storage instead: nothing of the
+    step holds it then, so a live storage means the caller holds some tensor on it, a ``detach()``-ed copy
+    included (Lightning keeps a ``training_step``'s extra outputs that way), which a tensor's weak reference
+    misses.  The others stay watched by tensor: the step itself may hold their storage for the backward.
+    """
 
     def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None],
-                 backward_autocast: bool):
+                 backward_autocast: bool, freed: frozenset[int] = frozenset()):
         self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
+        self.storages = {i: StorageWeakRef(outputs[i].untyped_storage()) for i in freed if i < len(outputs)
+                         and isinstance(outputs[i], torch.Tensor)}
         self.nbytes = tuple(t.nbytes if isinstance(t, torch.Tensor) else 0 for t in outputs)
         self.differentiable = differentiable
         self.record = record
@@ -112,6 +121,7 @@ class _OutputWatch:
     def seen(self, grads: tuple) -> None:
         graded = {i for i, g in zip(self.differentiable, grads) if g is not None}
         held = {i for i, ref in enumerate(self.refs) if ref() is not None}
+        held |= {i for i, storage in self.storages.items() if not storage.expired()}
         autocast = any_autocast_enabled()  # the engine runs backward under the caller's autocast
         if autocast != self.backward_autocast:
             where = "inside" if autocast else "after"
@@ -150,12 +160,14 @@ class _WatchedOutputs(torch.autograd.Function):
         return (None, *grads)
 
 
-def _watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_autocast: bool) -> tuple:
-    """``outputs`` with those that carry gradients routed through :class:`_WatchedOutputs`."""
+def _watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_autocast: bool,
+             freed: frozenset[int] = frozenset()) -> tuple:
+    """``outputs`` with those that carry gradients routed through :class:`_WatchedOutputs`; ``freed``: those the
+    plan frees after the forward."""
     index = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not index:
         return outputs
-    watch = _OutputWatch(outputs, index, record, backward_autocast)
+    watch = _OutputWatch(outputs, index, record, backward_autocast, freed)
     wrapped = _WatchedOutputs.apply(watch, *(outputs[i] for i in index))
     out = list(outputs)
     for i, t in zip(index, wrapped):
@@ -275,6 +287,7 @@ class CompiledStep:
     # Called with the usage its backward sees, before anything is recorded: raises to refuse a usage the plan
     # cannot run within its budget (NOTE [loss-only first plan] in remat_plugin.runtime.resolver).
     refuse_usage: Callable[[OutputUsage], None] | None = None
+    freed_outputs: frozenset[int] = frozenset()  # flat tensor outputs the plan frees after the forward
 
     def __call__(self, args: tuple, kwargs: dict):
         leaves, _ = pytree.tree_flatten((args, kwargs))
@@ -307,7 +320,7 @@ class CompiledStep:
             self._keep_missing_gradients(flat_out)
         without_donated_buffers(flat_out)
         if self.options.watch_outputs:
-            flat_out = _watched(flat_out, self._record, self.options.backward_autocast)
+            flat_out = _watched(flat_out, self._record, self.options.backward_autocast, self.freed_outputs)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):
@@ -399,7 +412,7 @@ def build_step(
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
-                        options=options, exported=gm)
+                        options=options, exported=gm, freed_outputs=dropped_outputs)
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))

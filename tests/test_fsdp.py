@@ -27,20 +27,23 @@ pytestmark = pytest.mark.slow
 SHARES = [0.5, 0.6, 0.7, 0.85, 1.0]
 # In 2 of about 40 two-process gloo runs on this machine one rank died mid-run with SIGABRT after libstdc++'s
 # "terminate called without an active exception" (a joinable std::thread destroyed: native code, cause not found;
-# README Known limits).  A launch that dies that way, and only that way, is run once more.
+# README Known limits); a CI run of 2026-11-26 met it twice in a row on one launch.  A launch that dies that way,
+# and only that way, is run again, up to RETRIES more times.
 _NATIVE_ABORT = "terminate called without an active exception"
+RETRIES = 2
 
 
 @pytest.fixture(scope="module", params=["gpt2-tiny", "llama-tiny"])
 def fsdp_run(request):
     opts = {"model": request.param, "layers": 2, "batch_size": 4, "seq_len": 128, "budgets": SHARES,
             "dtype": "float64", "device": "cpu", "steps": 4, "pairs": 0}
-    try:
-        return launch(opts, nproc=2, timeout_s=900)
-    except RuntimeError as exc:  # see _NATIVE_ABORT: once more, and only for that
-        if _NATIVE_ABORT not in str(exc):
-            raise
-        return launch(opts, nproc=2, timeout_s=900)
+    for _ in range(RETRIES):
+        try:
+            return launch(opts, nproc=2, timeout_s=900)
+        except RuntimeError as exc:  # see _NATIVE_ABORT: again, and only for that
+            if _NATIVE_ABORT not in str(exc):
+                raise
+    return launch(opts, nproc=2, timeout_s=900)
 
 
 def test_fsdp_units_train_bitwise_under_every_budget(fsdp_run):
@@ -72,7 +75,9 @@ def _launched(cmd: list[str], out: Path, env_extra: dict[str, str]) -> list[dict
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REMAT_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", HF_HOME=str(out.parent / "hf_home"), **env_extra)
     proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
-    if proc.returncode != 0 and _NATIVE_ABORT in proc.stderr:  # see _NATIVE_ABORT: once more, and only for that
+    for _ in range(RETRIES):
+        if proc.returncode == 0 or _NATIVE_ABORT not in proc.stderr:  # see _NATIVE_ABORT: again, and only for that
+            break
         proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from two_ranks import spawn_two
+from two_ranks import session_on, spawn_two
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +28,6 @@ class _BranchyLayers(nn.Module):
         return x.square().mean()
 
 
-def _session(module, budget=10**9):
-    from remat_plugin.runtime.config import RematConfig
-    from remat_plugin.runtime.session import RematSession
-
-    session = RematSession(module, RematConfig(budget=budget, ilp_time_limit_s=0.2))
-    module.forward = session.dispatcher(module.forward)
-    return session
-
-
 def _fallback_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -44,7 +35,7 @@ def _fallback_worker(rank: int, port: int, out_dir: str) -> None:
     torch.manual_seed(0)
     plain = _BranchyLayers().double()
     ours = copy.deepcopy(plain)
-    session = _session(ours)
+    session = session_on(ours)
     x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     same = True
     for _ in range(2):
@@ -79,7 +70,7 @@ def _failing_worker(rank: int, port: int, out_dir: str) -> None:
 
         StepResolver.solve_bucket = fail  # type: ignore[method-assign]
     module = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))
-    _session(module)
+    session_on(module)
     t0 = time.perf_counter()
     try:
         module(torch.randn(4, 16)).sum().backward()
@@ -110,7 +101,7 @@ def _outputs_worker(rank: int, port: int, out_dir: str) -> None:
     bench = build("gpt2-tiny", n_layer=2, batch_size=4, seq_len=64, dtype=torch.float64)
     plain = bench.module
     ours = copy.deepcopy(plain)
-    session = _session(ours, budget=10**9)
+    session = session_on(ours, budget=10**9)
     models = {"plain": DDP(plain), "ours": DDP(ours)}
     args, kwargs = bench.make_batch(rank)  # each rank its own data
     record = []
@@ -173,7 +164,7 @@ def _calibration_worker(rank: int, port: int, out_dir: str) -> None:
     plain = nn.Sequential(*layers, nn.Linear(128, 1)).double()
     ours = copy.deepcopy(plain)
     x = torch.randn(256, 128, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
-    session = _session(ours, budget=10**9)
+    session = session_on(ours, budget=10**9)
     models = {"plain": DDP(plain), "ours": DDP(ours)}
     same = True
     for step in range(3):

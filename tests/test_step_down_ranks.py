@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from model_factories import TinyLM
 from torch.nn.parallel import DistributedDataParallel as DDP
-from two_ranks import spawn_two
+from two_ranks import session_on, spawn_two
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +24,10 @@ def _worker(rank: int, port: int, out_dir: str, budget: int, misusing_rank: int)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    from remat_plugin.runtime.config import RematConfig
-    from remat_plugin.runtime.session import RematSession
-
     torch.manual_seed(0)
     plain = TinyLM()
     ours = copy.deepcopy(plain)
-    session = RematSession(ours, RematConfig(budget=budget, ilp_time_limit_s=0.2))
-    ours.forward = session.dispatcher(ours.forward)
+    session = session_on(ours, budget)
     reference, model = DDP(plain), DDP(ours)
     ids = torch.randint(0, 2048, (32, 64), generator=torch.Generator().manual_seed(rank))  # each rank its own data
     same = True
@@ -98,13 +94,9 @@ def _apart_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    from remat_plugin.runtime.config import RematConfig
-    from remat_plugin.runtime.session import RematSession
-
     torch.manual_seed(0)
     module = TinyLM()
-    session = RematSession(module, RematConfig(budget=HELD_BUDGET, ilp_time_limit_s=0.2))
-    module.forward = session.dispatcher(module.forward)
+    session = session_on(module, HELD_BUDGET)
     model = DDP(module)
     ids = torch.randint(0, 2048, (32, 64), generator=torch.Generator().manual_seed(rank))
     model(ids, ids)[0].backward()  # the same shapes on both ranks: the plan steps down, agreed

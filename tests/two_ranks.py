@@ -25,3 +25,13 @@ def spawn_two(worker, out_dir) -> None:
             if exc.signal_name != "SIGABRT":
                 raise
     mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=2, join=True)
+
+
+def session_on(module, budget=10**9):
+    """A :class:`RematSession` dispatching ``module``'s forward (what the integrations set up), planning fast."""
+    from remat_plugin.runtime.config import RematConfig
+    from remat_plugin.runtime.session import RematSession
+
+    session = RematSession(module, RematConfig(budget=budget, ilp_time_limit_s=0.2))
+    module.forward = session.dispatcher(module.forward)
+    return session

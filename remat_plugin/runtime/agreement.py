@@ -99,10 +99,6 @@ class RankAgreement:
         made: list[PlannedStep] = []  # on rank 0, the step planning built (when the bucket is the call's shapes)
 
         def plan_on_rank_zero() -> str:
-            with self.resolver.planning_for_every_rank():
-                return planned_on_rank_zero()
-
-        def planned_on_rank_zero() -> str:
             if outputs is not None:
                 solved = self.resolver.solve(call, budget_bytes, now=True, dropped_outputs=outputs[0],
                                              ungraded_outputs=outputs[1], refine=True)
@@ -119,7 +115,8 @@ class RankAgreement:
                 made.append(step)
             return plan.to_json()
 
-        plan = Plan.from_json(dist.from_rank_zero(plan_on_rank_zero, "planning"))
+        with self.resolver.planning_for_every_rank():  # what rank 0 plans here, every rank runs
+            plan = Plan.from_json(dist.from_rank_zero(plan_on_rank_zero, "planning"))
 
         def run_it_here() -> PlannedStep:
             if made:

@@ -483,11 +483,7 @@ def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
                        "backward()), or raise the budget to at least that. This backward was refused before "
                        "it ran.")
 
-    def refuse(usage: OutputUsage) -> None:
-        if dist.world_size() > 1:
-            dist.on_every_rank(lambda: check(usage), "checking, as backward() began, what its caller did with the "
-                                                      "outputs")
-        else:
-            check(usage)
+    def refuse(usage: OutputUsage) -> None:  # in one process: check(usage) itself, with no collective
+        dist.on_every_rank(lambda: check(usage), "checking, as backward() began, what its caller did with the outputs")
 
     step.run.refuse_usage = refuse  # type: ignore[attr-defined]

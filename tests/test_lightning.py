@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("lightning")
 import lightning.pytorch as pl
 
-from remat_plugin.errors import RematError
+from remat_plugin.errors import InfeasibleBudgetError, RematError
 from remat_plugin.integrations.lightning import AutoRemat
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,6 +236,36 @@ def test_auto_batch_size_takes_the_largest_that_fits_and_one_real_step():
     nxt = choice.next_size
     assert nxt.batch_size == choice.chosen.batch_size + 4 and nxt.predicted_time_ms is None
     assert nxt.min_feasible_bytes > choice.budget_bytes
+
+
+def test_auto_batch_size_beside_a_loss_plans_the_logits_held_without_a_gradient():
+    """A large vocabulary makes the logits most of the step: sizes are planned with them held without a gradient,
+    as the first plan steps down to (NOTE [loss-only first plan]), so the chosen size is one whose plan with the
+    logits differentiated would not fit; training runs it within the budget."""
+    from remat_plugin import rematerialize
+    from remat_plugin.planning.choose_plan import make_plan
+    from remat_plugin.runtime.steps import captured_problem
+
+    vocab = 8000
+    options = _options(f"model.vocab_size={vocab}", "data.seq_lens=[128]", "data.batches_per_len=64",
+                       "trainer.max_steps=2", "data.batch_size=2")
+    hf = GPT2Lit(**vars(options.model)).model.double().train()
+    ids = torch.randint(0, vocab, (4, 128))
+    four = rematerialize(hf, (), {"input_ids": ids, "labels": ids}, budget=10**12, verbose=False).plan
+    budget = four.min_feasible_bytes * 21 // 20  # the keep-all floor of 4 sequences, and a little
+    recorder = StepRecorder()
+    auto = AutoRemat(budget=budget, auto_batch_size=True, ilp_time_limit_s=0.2)
+    train(options, [auto, recorder])
+    choice = auto.batch_size_choice
+    assert choice.ungraded_outputs == (1,) and "held without a gradient" in choice.summary()
+    assert choice.batch_size > 4 and recorder.batch_sizes == [choice.batch_size] * 2
+    assert max(recorder.peaks) <= budget and choice.measured_peak_bytes <= budget
+    plan = next(iter(auto.session.plans.values()))
+    assert plan.ungraded_outputs == (1,)
+    ids = torch.randint(0, vocab, (choice.batch_size, 128))
+    keep_all = captured_problem(hf, (), {"input_ids": ids, "labels": ids})
+    with pytest.raises(InfeasibleBudgetError):  # a search keeping every output stops lower
+        make_plan(keep_all.problem, keep_all.constants, choice.budget_bytes, 0.2)
 
 
 @pytest.mark.slow

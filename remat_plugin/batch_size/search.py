@@ -11,6 +11,15 @@ smallest budget any plan reaches there (the planner's floor) says whether ``b`` 
 linear guess of the boundary is checked, then walked one ``multiple_of`` at a time until
 ``b`` fits and ``b + multiple_of`` does not.  One real step at the chosen size verifies it;
 if the meter disagrees, the search backs off one notch.
+
+Sizes are planned as training's first plan runs them.  The search runs before any step has shown
+what the loop does with the outputs; where the module returns one floating scalar (the loss) beside
+other tensors (the logits), a first plan that does not fit with every output differentiated steps
+down to holding the others without a gradient (NOTE [loss-only first plan] in
+:mod:`remat_plugin.runtime.resolver`), so the search captures that step.  A loop that then
+differentiates those outputs at the chosen size is refused (``InfeasibleBudgetError``, naming the
+budget it needs), never run over the budget.  A loop that drops them (``.loss`` kept) re-plans at
+its second step with them freed (NOTE [output usage]), below the chosen size's plan.
 """
 from __future__ import annotations
 
@@ -26,7 +35,7 @@ from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.problem import Op, Problem, Value
 from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
-from remat_plugin.runtime.steps import capture_problem
+from remat_plugin.runtime.steps import captured_problem
 from remat_plugin.torch_private import pytree
 
 log = logging.getLogger(__name__)
@@ -61,14 +70,18 @@ class BatchSizeChoice:
     trial_steps: int  # real steps run to verify
     measured_peak_bytes: int | None
     search_s: float = 0.0  # wall time of the search and its verification steps (set by the runtime's tuner)
+    ungraded_outputs: tuple[int, ...] = ()  # flat tensor outputs the sizes were planned to give no gradient
+
 
     def summary(self) -> str:
         nxt = (f"; {self.next_size.batch_size} would need {human_bytes(self.next_size.min_feasible_bytes)}"
                if self.next_size else "")
         measured = f", measured {human_bytes(self.measured_peak_bytes)}" if self.measured_peak_bytes else ""
         peak = self.chosen.predicted_peak_bytes
+        loss_only = (f"; planned with output(s) {list(self.ungraded_outputs)} held without a gradient (only the "
+                     "loss differentiated)" if self.ungraded_outputs else "")
         return (f"batch size {self.batch_size} ({self.objective}): its best plan fits {human_bytes(self.budget_bytes)}"
-                f" (predicted {human_bytes(peak) if peak is not None else '?'}{measured}){nxt}; "
+                f" (predicted {human_bytes(peak) if peak is not None else '?'}{measured}){nxt}{loss_only}; "
                 f"{len(self.evaluated)} sizes planned, {self.trial_steps} real step(s)")
 
 
@@ -124,9 +137,16 @@ class BatchSizeSearch:
         self.ilp_time_limit_s = ilp_time_limit_s
         self.b1 = batch_dim_size(args, kwargs)
         self.b2 = 2 * self.b1
-        self.p1, self.constants = capture_problem(module, args, kwargs)
+        # Planned as training's first plan runs each size: the outputs beside the loss, if any, held without a
+        # gradient when no plan fits with them differentiated (module docstring).
+        first = captured_problem(module, args, kwargs, ungrade_beside_the_loss=True)
+        self.p1, self.constants, self.ungraded_outputs = first.problem, first.constants, first.ungraded_outputs
         a2, k2 = scale_inputs(args, kwargs, self.b1, self.b2)
-        self.p2, _ = capture_problem(module, a2, k2)
+        second = captured_problem(module, a2, k2, ungrade_beside_the_loss=True)
+        if second.ungraded_outputs != self.ungraded_outputs:
+            raise BatchScalingError(f"remat_plugin.batch_size: the step's outputs differ between batch sizes {self.b1} "
+                                    f"and {self.b2}, so sizes cannot be read as lines in the batch size")
+        self.p2 = second.problem
         self.cache: dict[int, Candidate] = {}
         # Block menus are solved at the first size tried and re-costed at the others (NOTE [menus across
         # shapes]); given the runtime's cache, the plan of the chosen size takes them too.
@@ -199,4 +219,5 @@ def choose_batch_size(module: nn.Module, args: tuple, kwargs: dict, budget_bytes
         nxt = chosen
         chosen = search.evaluate(search._notch(chosen.batch_size - multiple_of))
     return BatchSizeChoice(chosen.batch_size, objective, budget_bytes, chosen, nxt,
-                           tuple(sorted(search.cache.values(), key=lambda c: c.batch_size)), trials, measured)
+                           tuple(sorted(search.cache.values(), key=lambda c: c.batch_size)), trials, measured,
+                           ungraded_outputs=tuple(sorted(search.ungraded_outputs)))

@@ -284,6 +284,7 @@ class CompiledStep:
     model_name: str = ""
     planning_only: bool = False  # a call made only to plan: the forward program need not run (NOTE [planning runs])
     out_scalars: list[int] = field(default_factory=list)  # flat tensor outputs of one floating element (a loss)
+    ungraded_outputs: frozenset[int] = frozenset()  # flat tensor outputs held but given no gradient, once traced
     # Called with the usage its backward sees, before anything is recorded: raises to refuse a usage the plan
     # cannot run within its budget (NOTE [loss-only first plan] in remat_plugin.runtime.resolver).
     refuse_usage: Callable[[OutputUsage], None] | None = None
@@ -346,6 +347,15 @@ class CompiledStep:
         keep_missing_gradients(node)
 
 
+def outputs_beside_the_loss(n_outputs: int, scalars: list[int]) -> frozenset[int] | None:
+    """The flat tensor outputs other than the loss, when a call returns one floating scalar (the loss) beside
+    other tensors; else None.  A training step differentiates only the loss, so these are what a plan may hold
+    without a gradient (NOTE [loss-only first plan] in :mod:`remat_plugin.runtime.resolver`)."""
+    if len(scalars) != 1 or n_outputs < 2:
+        return None
+    return frozenset(range(n_outputs)) - {scalars[0]}
+
+
 LAYERS_META = "remat_plugin.repeated_layers"  # an exported module's RepeatedLayers, in its .meta
 _told_whole: set[tuple[str, str]] = set()
 
@@ -388,6 +398,7 @@ def build_step(
     options: ExecutionOptions = EAGER,
     ungraded_outputs: frozenset[int] = frozenset(),
     exported: torch.fx.GraphModule | None = None,
+    ungrade_beside_the_loss: bool = False,
 ) -> CompiledStep:
     """Export ``module`` and wrap it so its first call traces the joint graph and calls ``emit``.
 
@@ -399,6 +410,9 @@ def build_step(
     ``options``: where the caller runs ``backward()``, and whether the programs are compiled.
     ``exported``: a step's :attr:`CompiledStep.exported` for these very inputs and tensors, traced instead of
     exporting again.
+    ``ungrade_beside_the_loss``: also give no gradient to the outputs beside the loss
+    (:func:`outputs_beside_the_loss`), decided once the trace has seen the outputs; the batch-size search
+    captures this way, planning sizes as a first plan that steps down runs them.
     """
     layers = None
     if exported is not None:
@@ -440,7 +454,10 @@ def build_step(
             except Exception as exc:  # a failed splice retraces whole (said), never a wrong graph
                 raise NotSpliceable(f"splicing failed: {type(exc).__name__}: {exc}") from exc
         split_dropouts(joint_gm)  # NOTE [dropout masks]
-        step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [dropped tangents]
+        beside = outputs_beside_the_loss(len(step.out_tensor_positions), step.out_scalars) \
+            if ungrade_beside_the_loss else None
+        step.ungraded_outputs = ungraded_outputs | ((beside or frozenset()) - dropped_outputs)
+        step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | step.ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]

@@ -343,11 +343,11 @@ class FsdpRemat:
     # --- planning -------------------------------------------------------------------------
     def _new_group(self, body: UnitBody, call: Call) -> UnitGroup:
         def lowest_plan() -> Plan:
-            problem, constants, graph_key = captured_problem(body, call.args, call.kwargs,
-                                                             op_timings=self.caches.op_timings)
-            self._problems[call.key] = (problem, constants)
+            captured = captured_problem(body, call.args, call.kwargs, op_timings=self.caches.op_timings)
+            self._problems[call.key] = (captured.problem, captured.constants)
             with _one_layer_is_one_block():
-                return dataclasses.replace(self._solve(problem, constants, 1), graph_key=graph_key)
+                return dataclasses.replace(self._solve(captured.problem, captured.constants, 1),
+                                           graph_key=captured.graph_key)
 
         lowest = dist.from_rank_zero(lowest_plan, f"planning the FSDP unit {type(body.unit).__name__}")
         group = self.groups[call.key] = UnitGroup(call.key, lowest, lowest, lowest)

@@ -71,7 +71,7 @@ from typing import Any
 
 from torch import nn
 
-from remat_plugin.capture.export import ExecutionOptions, OutputUsage
+from remat_plugin.capture.export import ExecutionOptions, OutputUsage, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan
@@ -439,11 +439,10 @@ class StepResolver:
         with every output kept and differentiated (NOTE [loss-only first plan]); raises ``exc`` where that does
         not apply."""
         run = step.run
-        n_outputs = len(getattr(run, "out_tensor_positions", ()))
-        scalars = list(getattr(run, "out_scalars", ()))
-        if len(scalars) != 1 or n_outputs < 2 or not self._may_step_down():
+        others = outputs_beside_the_loss(len(getattr(run, "out_tensor_positions", ())),
+                                         list(getattr(run, "out_scalars", ())))
+        if others is None or not self._may_step_down():
             raise exc
-        others = frozenset(range(n_outputs)) - {scalars[0]}
         floors = [exc.min_feasible_bytes]  # with the others differentiated, then held without a gradient
         for freed, use in ((False, "given no gradient"), (True, "freed after the forward")):
             log.info("remat_plugin: no plan of %s fits %s (smallest %s); planning it again with output(s) %s %s",

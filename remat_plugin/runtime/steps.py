@@ -271,13 +271,29 @@ def capture_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = N
     search captures sizes above the budget).  Profiling runs one op at a time (RNG and
     buffers restored afterwards).
     """
-    problem, constants, _ = captured_problem(module, args, kwargs, progress, op_timings)
-    return problem, constants
+    captured = captured_problem(module, args, kwargs, progress, op_timings)
+    return captured.problem, captured.constants
+
+
+@dataclass(frozen=True)
+class CapturedProblem:
+    """What :func:`captured_problem` returns: the problem, its constants, the joint graph's structure key (which a
+    plan needs to be replayed) and the outputs the capture gave no gradient."""
+
+    problem: Problem
+    constants: set[str]
+    graph_key: str
+    ungraded_outputs: frozenset[int] = frozenset()
 
 
 def captured_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = None, progress=None,
-                     op_timings: OpTimings | None = None) -> tuple[Problem, set[str], str]:
-    """:func:`capture_problem` and the joint graph's structure key, which a plan needs to be replayed."""
+                     op_timings: OpTimings | None = None, *, ungrade_beside_the_loss: bool = False) -> CapturedProblem:
+    """:func:`capture_problem`, with the joint graph's structure key.
+
+    ``ungrade_beside_the_loss``: where the call returns one floating scalar (the loss) beside other tensors, capture
+    the step that gives those others no gradient, as a first plan that steps down runs it (NOTE [loss-only first
+    plan] in :mod:`remat_plugin.runtime.resolver`); :attr:`CapturedProblem.ungraded_outputs` says which.
+    """
     call = Call.of(module, tuple(args), dict(kwargs or {}))
     found: dict[str, Any] = {}
 
@@ -290,7 +306,7 @@ def captured_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = 
 
     if progress is not None:
         progress.stage("capture")
-    run = build_step(module, call.args, call.kwargs, record, call.device)
+    run = build_step(module, call.args, call.kwargs, record, call.device, ungrade_beside_the_loss=ungrade_beside_the_loss)
     try:
         with suspended_user_modes(), unobserved(module, call.device):
             run(call.args, call.kwargs)
@@ -298,7 +314,7 @@ def captured_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = 
         pass
     if "problem" not in found:
         raise AssertionError("remat_plugin.capture: the trace ended without building the problem")
-    return found["problem"], found["constants"], found["graph_key"]
+    return CapturedProblem(found["problem"], found["constants"], found["graph_key"], run.ungraded_outputs)
 
 
 class _ProblemCaptured(Exception):

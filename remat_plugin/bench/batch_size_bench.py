@@ -28,8 +28,10 @@ from torch.utils.data import DataLoader, Dataset
 from remat_plugin.capture.memory_meter import PeakMeter, measure_peak
 from remat_plugin.errors import InfeasibleBudgetError, human_bytes
 from remat_plugin.integrations.lightning import AutoRemat
+from remat_plugin.planning.choose_plan import make_plan
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.module import rematerialize
+from remat_plugin.runtime.steps import captured_problem
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,17 @@ def run(budget_bytes: int, n_layer: int = 4, n_embd: int = 256, n_head: int = 4,
             "training_step_peak_bytes": max(p for _, p in ours_budget.steps), "summary": choice.summary(),
             "planned_sizes": [c.batch_size for c in choice.evaluated]}
 
+    # The chosen size with every output differentiated (a search before the step-down planned that): its floor.
+    ids = torch.randint(0, vocab, (choice.batch_size, seq_len), generator=torch.Generator().manual_seed(1))
+    keep_all = captured_problem(_LM(batch_size=choice.batch_size, **dims).model.train(),  # type: ignore[union-attr]
+                                (), {"input_ids": ids, "labels": ids})
+    try:
+        ours["keep_all_floor_bytes"] = make_plan(keep_all.problem, keep_all.constants, choice.budget_bytes)[0] \
+            .min_feasible_bytes
+    except InfeasibleBudgetError as exc:
+        ours["keep_all_floor_bytes"] = exc.min_feasible_bytes
+    ours["ungraded_outputs"] = list(choice.ungraded_outputs)
+
     # The next size up: its smallest feasible plan, and one measured step of it.
     nxt = choice.next_size
     next_info: dict[str, Any] = {}
@@ -151,6 +164,11 @@ def run(budget_bytes: int, n_layer: int = 4, n_embd: int = 256, n_head: int = 4,
             rm = rematerialize(probe, (), {"input_ids": ids, "labels": ids}, budget=nxt.min_feasible_bytes)
         except InfeasibleBudgetError as exc:
             rm = rematerialize(probe, (), {"input_ids": ids, "labels": ids}, budget=exc.min_feasible_bytes)
+        assert rm.plan is not None
+        if rm.plan.dropped_outputs and len(rm.plan.loss_only_floors) > 1:
+            # This process's planner put the held-logits floor a little above the search's, so the first plan
+            # stepped down to freeing them: plan at that floor instead, the logits held as the search planned.
+            rm = rematerialize(probe, (), {"input_ids": ids, "labels": ids}, budget=rm.plan.loss_only_floors[1])
 
         floor_plan = rm.plan  # the next call plans again for what held() did with the outputs
         assert floor_plan is not None
@@ -202,6 +220,11 @@ def format_report(r: dict[str, Any]) -> str:
          f"our first training step peaked at {human_bytes(o['training_step_peak_bytes'])}; the search with its "
          f"verification step took {o['search_s']:.1f} s of our wall time (the rest: the trainer and its one step)."),
     ]
+    if o["ungraded_outputs"]:
+        fits = "within" if o["keep_all_floor_bytes"] <= r["budget_bytes"] else "above"
+        lines.append(f"sizes planned with output(s) {o['ungraded_outputs']} held without a gradient, as the first plan "
+                     f"steps down to; with every output differentiated, size {o['batch_size']}'s planner floor is "
+                     f"{human_bytes(o['keep_all_floor_bytes'])}, {fits} the budget.")
     if n:
         lines.append(f"next size {n['batch_size']}: planner floor {human_bytes(n['floor_bytes'])}; its smallest "
                      f"feasible plan predicts {human_bytes(n['predicted_peak_bytes'])}; one step of it measured "
@@ -218,13 +241,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1000, help="the GPT-2 vocabulary (the logits' width)")
     parser.add_argument("--multiple-of", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--json", default=None)
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     budget = parse_budget(opts.budget)
-    result = run(budget, n_layer=opts.n_layer, n_embd=opts.n_embd, seq_len=opts.seq_len,
+    result = run(budget, n_layer=opts.n_layer, n_embd=opts.n_embd, seq_len=opts.seq_len, vocab=opts.vocab,
                  multiple_of=opts.multiple_of, pairs=opts.pairs)
     print(format_report(result))
     if opts.json:

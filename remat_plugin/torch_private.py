@@ -77,6 +77,7 @@ __all__ = [
     "lazy_graph_module",
     "profiler_active",
     "pytree",
+    "queue_after_backward",
     "reset_dynamo",
     "suspended_user_modes",
     "traced_like_eager",
@@ -125,6 +126,12 @@ def reset_dynamo() -> None:
 def activation_memory_budget(ratio: float) -> contextlib.AbstractContextManager[None]:
     """torch.compile's min-cut partitioner keeps about ``ratio`` of its activations (the peer we compare with)."""
     return torch._functorch.config.patch(activation_memory_budget=ratio)
+
+
+def queue_after_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward now running has finished every node (its saved tensors released); call
+    it from inside a backward.  DDP's reducer finalizes its buckets the same way."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
 def in_backward() -> bool:

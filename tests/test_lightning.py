@@ -203,6 +203,36 @@ def test_ddp_below_the_first_plans_floor_trains_with_the_logits_given_no_gradien
         assert max(mine["peaks"]) <= budget
 
 
+def test_a_training_step_returning_its_logits_gets_a_plan_that_holds_them(caplog):
+    """A ``training_step`` returning ``{"loss": ..., "logits": ...}``: Lightning holds the returned dict through
+    backward() and a detached copy of the logits until ``on_train_batch_end``.  The re-plan gives them no gradient
+    and keeps them, never frees them: every step within the budget, no warning."""
+    import logging
+
+    from lightning_gpt2 import TokenData
+
+    class ReturnsLogits(GPT2Lit):
+        def training_step(self, batch, batch_idx):
+            out = self.model(input_ids=batch, labels=batch)
+            return {"loss": out.loss, "logits": out.logits}
+
+    options = _options("data.seq_lens=[64]", "data.batches_per_len=4")
+    unmodified, _, _, _ = _run(options, max_steps=4)
+    budget = int(0.8 * max(unmodified.peaks))  # above the floor of a plan holding the logits (0.60 of the peak)
+    pl.seed_everything(0, verbose=False)
+    model = ReturnsLogits(**vars(options.model))
+    recorder, auto = StepRecorder(), AutoRemat(budget=budget, ilp_time_limit_s=0.2)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, precision="64-true", callbacks=[auto, recorder],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        trainer.fit(model, datamodule=TokenData(vocab_size=options.model.vocab_size, **vars(options.data)))
+    assert "kept or differentiated" not in caplog.text, caplog.text
+    assert len(recorder.peaks) == 4 and max(recorder.peaks) <= budget, (recorder.peaks, budget)
+    plan = auto.session.plan
+    assert plan.dropped_outputs == () and plan.ungraded_outputs == (1,)
+
+
 def test_batch_size_finder_trials_run_unmodified_then_one_plan():
     """BatchSizeFinder's trial steps (before us) do not plan; the batch size it settles on is planned once."""
     from lightning.pytorch.callbacks import BatchSizeFinder

@@ -362,3 +362,35 @@ def test_a_detached_copy_of_logits_a_refined_plan_frees_is_warned_about_and_plan
         rm(ids, ids)[0].backward()
     assert "kept or differentiated output(s) [1]" in caplog.text
     assert rm.plan.dropped_outputs == () and kept is not None
+
+
+def test_a_detached_copy_kept_from_the_first_step_is_planned_held_not_freed(caplog):
+    """A loop that keeps ``out[1].detach()`` from its first step on (a Lightning ``training_step`` returning the
+    logits beside the loss): the original logits tensor is gone as the backward begins, but their storage is
+    alive once the backward has released what it saved, so the first step's usage holds them.  The refined plan
+    gives them no gradient and keeps them, instead of freeing them and running its first step above its plan."""
+    torch.manual_seed(0)
+    module, ids = TinyLM(), torch.randint(0, 2048, (32, 64))
+    reference = copy.deepcopy(module)
+    budget = rematerialize(module, (ids, ids), budget=10**12, verbose=False).plan.min_feasible_bytes + 2**20
+    rm = RematModule(module, budget, verbose=False)
+    kept = []
+
+    def step():
+        out = rm(ids, ids)
+        loss = out[0]
+        kept.append(out[1].detach())
+        del out
+        loss.backward()
+
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for i in range(3):
+            for m in (module, reference):
+                m.zero_grad(set_to_none=True)
+            _, peak = measure_peak_profiler(step)
+            assert peak <= budget, (i, peak, budget)
+            reference(ids, ids)[0].backward()
+            assert_same_grads_and_buffers(module, reference, f"step {i}")
+    assert "kept or differentiated" not in caplog.text, caplog.text
+    assert rm.plan.dropped_outputs == () and rm.plan.ungraded_outputs == (LOGITS,)
+    assert all(torch.equal(k, kept[0]) for k in kept)

@@ -11,7 +11,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -34,6 +34,7 @@ from remat_plugin.torch_private import (
     aot_function,
     is_tangent,
     pytree,
+    queue_after_backward,
     suspended_user_modes,
     traced_like_eager,
     without_donated_buffers,
@@ -105,23 +106,29 @@ class _OutputWatch:
     Outputs the plan frees after the forward (``freed``) are watched by their storage instead: nothing of the
     step holds it then, so a live storage means the caller holds some tensor on it, a ``detach()``-ed copy
     included (Lightning keeps a ``training_step``'s extra outputs that way), which a tensor's weak reference
-    misses.  The others stay watched by tensor: the step itself may hold their storage for the backward.
+    misses.  The others are watched by tensor as the backward begins, when the step itself may hold their
+    storage for the backward; those that look dropped then are looked at again by their storage once the
+    backward has finished and released what it saved (``amend``): a live storage then is the caller's copy,
+    and the usage is amended to hold it, so the next plan does not free what the caller keeps.
     """
 
     def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None],
-                 backward_autocast: bool, freed: frozenset[int] = frozenset()):
+                 backward_autocast: bool, freed: frozenset[int] = frozenset(),
+                 amend: Callable[[OutputUsage, OutputUsage], None] | None = None):
         self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
-        self.storages = {i: StorageWeakRef(outputs[i].untyped_storage()) for i in freed if i < len(outputs)
-                         and isinstance(outputs[i], torch.Tensor)}
+        self.storages = {i: StorageWeakRef(t.untyped_storage()) for i, t in enumerate(outputs)
+                         if isinstance(t, torch.Tensor)}
+        self.freed = freed
         self.nbytes = tuple(t.nbytes if isinstance(t, torch.Tensor) else 0 for t in outputs)
         self.differentiable = differentiable
         self.record = record
+        self.amend = amend
         self.backward_autocast = backward_autocast  # where the step's backward was traced for
 
     def seen(self, grads: tuple) -> None:
         graded = {i for i, g in zip(self.differentiable, grads) if g is not None}
         held = {i for i, ref in enumerate(self.refs) if ref() is not None}
-        held |= {i for i, storage in self.storages.items() if not storage.expired()}
+        held |= {i for i in self.freed if i in self.storages and not self.storages[i].expired()}
         autocast = any_autocast_enabled()  # the engine runs backward under the caller's autocast
         if autocast != self.backward_autocast:
             where = "inside" if autocast else "after"
@@ -129,8 +136,17 @@ class _OutputWatch:
                         "the other place; autocast changes the backward's casts, so this step's gradients may "
                         "differ from eager PyTorch's in rounding. Its next call is traced for backward() %s "
                         "the block", where, where)
-        self.record(OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast,
-                                frozenset(self.differentiable), self.nbytes))
+        usage = OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast,
+                            frozenset(self.differentiable), self.nbytes)
+        self.record(usage)
+        looked_dropped = [i for i in usage.dropped - self.freed if i in self.storages]
+        if looked_dropped and self.amend is not None:
+            queue_after_backward(lambda: self._held_after_backward(usage, looked_dropped))
+
+    def _held_after_backward(self, usage: OutputUsage, looked_dropped: list[int]) -> None:
+        alive = {i for i in looked_dropped if not self.storages[i].expired()}
+        if alive and self.amend is not None:
+            self.amend(usage, replace(usage, held=usage.held | alive))
 
 
 class _WatchedOutputs(torch.autograd.Function):
@@ -161,13 +177,15 @@ class _WatchedOutputs(torch.autograd.Function):
 
 
 def _watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_autocast: bool,
-             freed: frozenset[int] = frozenset()) -> tuple:
+             freed: frozenset[int] = frozenset(),
+             amend: Callable[[OutputUsage, OutputUsage], None] | None = None) -> tuple:
     """``outputs`` with those that carry gradients routed through :class:`_WatchedOutputs`; ``freed``: those the
-    plan frees after the forward."""
+    plan frees after the forward; ``amend``: told the usage again once the backward is over, where it found more
+    held (:class:`_OutputWatch`)."""
     index = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not index:
         return outputs
-    watch = _OutputWatch(outputs, index, record, backward_autocast, freed)
+    watch = _OutputWatch(outputs, index, record, backward_autocast, freed, amend)
     wrapped = _WatchedOutputs.apply(watch, *(outputs[i] for i in index))
     out = list(outputs)
     for i, t in zip(index, wrapped):
@@ -321,7 +339,8 @@ class CompiledStep:
             self._keep_missing_gradients(flat_out)
         without_donated_buffers(flat_out)
         if self.options.watch_outputs:
-            flat_out = _watched(flat_out, self._record, self.options.backward_autocast, self.freed_outputs)
+            flat_out = _watched(flat_out, self._record, self.options.backward_autocast, self.freed_outputs,
+                                self._amend)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):
@@ -334,6 +353,13 @@ class CompiledStep:
         if self.refuse_usage is not None:
             self.refuse_usage(usage)
         self.usage = usage
+
+    def _amend(self, seen: OutputUsage, amended: OutputUsage) -> None:
+        """``seen``, recorded as the backward began, seen again after it (:class:`_OutputWatch`); not refused
+        again: the refusal decided, on every rank at once, before the backward ran, and holding an output the
+        plan keeps is no use it refuses."""
+        if self.usage is seen:  # not taken yet, nor replaced by a later call's
+            self.usage = amended
 
     def _keep_missing_gradients(self, flat_out: tuple) -> None:
         if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat_out):

@@ -16,9 +16,12 @@ NOTE [output usage]
     freshly solved step's outputs were dropped before ``backward()`` and got no gradient (a
     training step keeps ``.loss``, drops the logits) and they are at least
     :data:`REFINE_MIN_SHARE` of the predicted peak, the next call of those shapes re-plans
-    once with them freed after the forward.  A later step that holds or differentiates an
-    output its plan frees is logged as a warning (that step ran with the output alive, over
-    the plan by its size) and the next call re-plans with that output kept.  Outputs the caller holds
+    once with them freed after the forward.  An output counts as dropped when no tensor of the
+    caller's refers to it as the backward begins and its storage is gone once the backward is over
+    (a ``detach()``-ed copy the caller keeps holds it; ``_OutputWatch`` in
+    :mod:`remat_plugin.capture.export`).  A later step that holds or differentiates an output its
+    plan frees is logged as a warning (that step ran with the output alive, over the plan by its
+    size) and the next call re-plans with that output kept.  Outputs the caller holds
     through ``backward()`` that no gradient reaches (``out = model(...); out.loss.backward()``) are
     re-planned for the same way: their gradients are left out of the backward (NOTE [dropped
     tangents]), and a later step whose gradient does reach one adds it, is warned about, and re-plans.
@@ -475,12 +478,13 @@ def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
         held = sorted(others & usage.held) if freed else []
         if graded or held:
             what = (f"step of {model} that sends a gradient into output(s) {graded}" if graded else
-                    f"step of {model} that keeps output(s) {held} through backward()")
+                    f"step of {model} that keeps output(s) {held} through backward() (a detach()-ed copy keeps them "
+                    "too: Lightning holds the tensors a training_step returns until on_train_batch_end)")
             raise InfeasibleBudgetError(
                 plan.budget_bytes, floors[0] if graded else floors[1], what=what,
                 advice="Keep only the loss (`loss = model(...).loss`, the other outputs dropped before "
-                       "backward()), or raise the budget to at least that. This backward was refused before "
-                       "it ran.")
+                       "backward(); a training_step returns the loss alone), or raise the budget to at least that. "
+                       "This backward was refused before it ran.")
 
     def refuse(usage: OutputUsage) -> None:  # in one process: check(usage) itself, with no collective
         dist.on_every_rank(lambda: check(usage), "checking, as backward() began, what its caller did with the outputs")

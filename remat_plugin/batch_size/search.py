@@ -72,7 +72,6 @@ class BatchSizeChoice:
     search_s: float = 0.0  # wall time of the search and its verification steps (set by the runtime's tuner)
     ungraded_outputs: tuple[int, ...] = ()  # flat tensor outputs the sizes were planned to give no gradient
 
-
     def summary(self) -> str:
         nxt = (f"; {self.next_size.batch_size} would need {human_bytes(self.next_size.min_feasible_bytes)}"
                if self.next_size else "")

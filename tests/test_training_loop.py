@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from remat_plugin import InfeasibleBudgetError, rematerialize
 from remat_plugin.bench.models import build
-from remat_plugin.capture.export import DoubleBackwardError
+from remat_plugin.capture.output_usage import DoubleBackwardError
 from remat_plugin.torch_private import TorchDispatchMode, pytree
 
 

@@ -9,7 +9,8 @@ NOTE [layers traced once]
     a second op ``remat_plugin::layer_grad``: the model's joint graph holds two nodes per layer call.
     One layer of each kind is exported alone (:meth:`RepeatedLayers.export_templates`), and
     :meth:`RepeatedLayers.splice`, given the model's joint graph, traces that layer's joint graph on
-    fake tensors of the model's own fake mode and replaces every call's two nodes by a copy of it,
+    fake tensors of the model's own fake mode and replaces every call's two nodes by a copy of it
+    (:mod:`remat_plugin.capture.layer_splice`),
     reading the call's own parameters and inputs.  The result is the joint graph a whole-model trace
     gives, node for node (``tests/test_repeated_layers.py`` compares them), and planning goes on from
     it unchanged; the two ops never run.  Each copy's values get fake storages of their own: copies
@@ -31,10 +32,8 @@ NOTE [layers traced once]
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
-import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -45,18 +44,13 @@ import torch
 from torch import Tensor, fx, nn
 
 from remat_plugin.capture.forward_swap import swapped_forwards
-from remat_plugin.errors import RematError
+from remat_plugin.capture.layer_splice import LayerJoint, NotSpliceable, splice_call
 from remat_plugin.torch_private import (
     FakeTensor,
-    PlainAOTOutput,
-    TangentAOTInput,
     TorchDispatchMode,
     aot_function,
     autocast_devices,
     autocast_settings,
-    fake_on_storage,
-    is_primal,
-    is_tangent,
     pytree,
 )
 
@@ -76,10 +70,6 @@ def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
         if best is None or n_params > best[0]:
             best = (n_params, name, layers)
     return None if best is None else (best[1], best[2])
-
-
-class NotSpliceable(RematError):
-    """The model's layers cannot be traced once and spliced; it is traced whole instead."""
 
 
 _LEAF = object()  # stands for a tensor leaf among a call's non-tensor constants
@@ -248,42 +238,7 @@ class _Template:
     fingerprint: tuple
     first: _Call
     exported: fx.GraphModule | None = None  # the layer alone, exported
-    joint: fx.GraphModule | None = None  # its joint graph, traced in the fake mode ``mode``
-    mode: Any = None
-    num_fwd_outputs: int = 0
-
-    @functools.cached_property
-    def parts(self) -> tuple[list[fx.Node], list[fx.Node], list[fx.Node], list[Any]]:
-        """The joint graph's nodes, its primals, its tangents and its outputs (read once it is traced)."""
-        assert self.joint is not None
-        nodes = list(self.joint.graph.nodes)
-        output = next(n for n in nodes if n.op == "output")
-        return (nodes, [n for n in nodes if is_primal(n)], [n for n in nodes if is_tangent(n)],
-                list(cast(tuple, output.args[0])))
-
-
-class _FreshMetas:
-    """Fake tensors of one spliced call, each on storage of its own (the template's storage for storage): copies of
-    one template node must not share a fake storage, or inductor would take layer 1's value for a view of layer 0's.
-    A template input's storage is the model's operand's, so views of a layer's inputs stay views of them."""
-
-    def __init__(self, mode: Any):
-        self.mode = mode
-        self.storages: dict[int, Any] = {}  # template storage (_cdata) -> the storage that stands for it here
-
-    def seed(self, template_val: Any, val: Any) -> None:
-        if isinstance(template_val, Tensor) and isinstance(val, Tensor):
-            self.storages[template_val.untyped_storage()._cdata] = val.untyped_storage()
-
-    def __call__(self, val: Any) -> Any:
-        if isinstance(val, (list, tuple)):
-            return type(val)(self(v) for v in val)
-        if not isinstance(val, FakeTensor):
-            return val
-        key = val.untyped_storage()._cdata
-        made = fake_on_storage(self.mode, self.storages.get(key), val)
-        self.storages.setdefault(key, made.untyped_storage())
-        return made
+    joint: LayerJoint | None = None  # its joint graph, once traced
 
 
 class _Captured(Exception):
@@ -392,7 +347,7 @@ class RepeatedLayers:
                 with _running_own_forward(), _autocast_as(call.autocast):
                     template.exported = export_module(self.layers[call.layer], args, kwargs).module()
 
-    def _trace(self, template: _Template, params: list[Tensor], inputs: list[Tensor]) -> None:
+    def _trace(self, template: _Template, params: list[Tensor], inputs: list[Tensor], mode: Any) -> None:
         """The template's joint graph, traced on ``params`` and ``inputs``: fake tensors of the model's trace, so the
         spliced nodes' metadata and the model's share one fake mode (inductor asserts they do)."""
         gm, call, names = template.exported, template.first, self.param_names
@@ -417,8 +372,7 @@ class RepeatedLayers:
             pass
         if "joint" not in got:
             raise NotSpliceable(f"layer {call.layer} has nothing to differentiate")
-        template.joint, template.num_fwd_outputs = got["joint"], got["n"]
-        template.__dict__.pop("parts", None)  # read from the new joint graph
+        template.joint = LayerJoint(got["joint"], got["n"], mode)
 
     def _traced_for(self, graph: fx.Graph, fwd_nodes: list[fx.Node]) -> None:
         """Trace each template the calls in ``fwd_nodes`` take, in the fake mode of ``graph``'s own metadata."""
@@ -427,15 +381,14 @@ class RepeatedLayers:
         for node in fwd_nodes:
             call = _CALLS[cast(int, node.args[0])]
             template = self.templates[cast(int, call.kind)]
-            if template.joint is not None and template.mode is mode:
+            if template.joint is not None and template.joint.mode is mode:
                 continue
             examples = [cast(fx.Node, a).meta["val"] for a in [*cast(list, node.args[1]), *cast(list, node.args[2])]]
             with mode if mode is not None else contextlib.nullcontext():
                 flat = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in examples]
             for t, grad in zip(flat, _wanted_grads(call)):
                 t.requires_grad_(grad)
-            self._trace(template, flat[: len(self.param_names)], flat[len(self.param_names) :])
-            template.mode = mode
+            self._trace(template, flat[: len(self.param_names)], flat[len(self.param_names) :], mode)
 
     def splice(self, joint_gm: fx.GraphModule) -> None:
         """Replace every layer call's two nodes in ``joint_gm`` by its template's forward and backward.
@@ -461,69 +414,9 @@ class RepeatedLayers:
         self._traced_for(graph, fwd_nodes)
         for node in fwd_nodes:
             call_id = cast(int, node.args[0])
-            template = self.templates[cast(int, _CALLS[call_id].kind)]
-            fresh = _FreshMetas(template.mode)
-            env = self._splice_forward(graph, node, template, fresh)
-            self._splice_backward(graph, grad_nodes[call_id], template, env, fresh)
+            call = _CALLS[call_id]
+            template = self.templates[cast(int, call.kind)]
+            assert template.joint is not None
+            splice_call(graph, node, grad_nodes[call_id], template.joint, _wanted_grads(call), call.layer,
+                        f"_remat_layer_{id(template)}")
         # No recompile: nothing runs the joint module's code, and the passes after this one regenerate it.
-
-    def _splice_forward(self, graph: fx.Graph, node: fx.Node, template: _Template,
-                        fresh: _FreshMetas) -> dict[fx.Node, Any]:
-        nodes, primals, _, outs = template.parts
-        env: dict[fx.Node, Any] = dict(zip(primals, [*cast(list, node.args[1]), *cast(list, node.args[2])]))
-        for primal, operand in zip(primals, env.values()):
-            fresh.seed(primal.meta.get("val"), operand.meta.get("val"))
-        owner = graph.owning_module
-        with graph.inserting_before(node):
-            for n in nodes:
-                if n.op == "get_attr":  # a constant of the template: the joint module gets it too
-                    name = f"_remat_layer_{id(template)}_{n.target}".replace(".", "_")
-                    if not hasattr(owner, name):
-                        setattr(owner, name, getattr(template.joint, cast(str, n.target)))
-                    env[n] = graph.get_attr(name)
-                    env[n].meta = dict(n.meta)
-                elif n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward":
-                    env[n] = graph.node_copy(n, lambda a: env[a])
-                    env[n].meta["val"] = fresh(n.meta.get("val"))
-        for user in list(node.users):
-            user.replace_all_uses_with(env[outs[_output_index(user)]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        return env
-
-    def _splice_backward(self, graph: fx.Graph, node: fx.Node, template: _Template, env: dict[fx.Node, Any],
-                         fresh: _FreshMetas) -> None:
-        nodes, _, tangents, outs = template.parts
-        grads_in = cast(list, node.args[3])
-        call = _CALLS[cast(int, node.args[0])]
-        for tangent in tangents:  # each the gradient of one of the layer's outputs
-            desc = tangent.meta.get("desc")
-            if not (isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)):
-                raise NotSpliceable(f"layer {call.layer}'s template has a tangent of no plain output ({desc!r})")
-            if grads_in[desc.output.idx] is None:
-                raise NotSpliceable(f"output {desc.output.idx} of layer {call.layer} has no gradient")
-            env[tangent] = grads_in[desc.output.idx]
-            fresh.seed(tangent.meta.get("val"), env[tangent].meta.get("val"))
-        with graph.inserting_before(node):
-            for n in nodes:
-                if n.op == "call_function" and n not in env:
-                    env[n] = graph.node_copy(n, lambda a: env[a])
-                    env[n].meta["val"] = fresh(n.meta.get("val"))
-        grads = outs[template.num_fwd_outputs :]  # one per primal: the parameters', then the inputs'
-        made = [env[g] if isinstance(g, fx.Node) else None for g, w in zip(grads, _wanted_grads(call)) if w]
-        for user in list(node.users):
-            value = made[_output_index(user)]
-            if value is None:
-                raise NotSpliceable(f"layer {call.layer}'s template makes no gradient where the model's trace wants one")
-            user.replace_all_uses_with(value)
-            graph.erase_node(user)
-        graph.erase_node(node)
-
-
-def _output_index(user: fx.Node) -> int:
-    """Which output of a layer op ``user`` reads."""
-    if user.target is not operator.getitem:
-        raise NotSpliceable(f"a layer op's output is read whole by {user.name}")
-    return int(user.args[1])  # type: ignore[arg-type]
-
-

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from remat_plugin.capture.export import OutputUsage
+from remat_plugin.capture.output_usage import OutputUsage
 from remat_plugin.errors import RematError, human_bytes
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist

@@ -12,14 +12,14 @@ In order, for a call with new input shapes:
 
 NOTE [output usage]
     A plan first assumes the caller keeps every output to the end of the step.  Each step
-    watches what the caller did (:class:`~remat_plugin.capture.export.OutputUsage`): when a
+    watches what the caller did (:class:`~remat_plugin.capture.output_usage.OutputUsage`): when a
     freshly solved step's outputs were dropped before ``backward()`` and got no gradient (a
     training step keeps ``.loss``, drops the logits) and they are at least
     :data:`REFINE_MIN_SHARE` of the predicted peak, the next call of those shapes re-plans
     once with them freed after the forward.  An output counts as dropped when no tensor of the
     caller's refers to it as the backward begins and its storage is gone once the backward is over
     (a ``detach()``-ed copy the caller keeps holds it; ``_OutputWatch`` in
-    :mod:`remat_plugin.capture.export`).  A later step that holds or differentiates an output its
+    :mod:`remat_plugin.capture.output_usage`).  A later step that holds or differentiates an output its
     plan frees is logged as a warning (that step ran with the output alive, over the plan by its
     size) and the next call re-plans with that output kept.  Outputs the caller holds
     through ``backward()`` that no gradient reaches (``out = model(...); out.loss.backward()``) are
@@ -74,7 +74,8 @@ from typing import Any
 
 from torch import nn
 
-from remat_plugin.capture.export import ExecutionOptions, OutputUsage, outputs_beside_the_loss
+from remat_plugin.capture.export import ExecutionOptions
+from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.estimated_costs import estimate_costs
-from remat_plugin.capture.export import EAGER, ExecutionOptions, OutputUsage, build_step
+from remat_plugin.capture.export import EAGER, ExecutionOptions, build_step
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops
+from remat_plugin.capture.output_usage import OutputUsage
 from remat_plugin.capture.programs import emit_programs
 from remat_plugin.capture.repeated_layers import find_layer_chain
 from remat_plugin.errors import CaptureError, human_bytes

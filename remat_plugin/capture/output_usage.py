@@ -1,0 +1,157 @@
+"""What the caller does with a planned step's outputs, seen from the forward's return to the backward.
+
+A plan may free an output once the forward returns it, or give it no gradient, only if the caller
+drops it or takes none (NOTE [output usage] in :mod:`remat_plugin.runtime.resolver`).  The step's
+differentiable outputs pass through :class:`_WatchedOutputs`, an identity whose backward runs before
+the planned one: it records which outputs are still held and which a gradient reached
+(:class:`OutputUsage`), and refuses a double backward before any gradient is computed.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from remat_plugin.errors import RematError
+from remat_plugin.torch_private import StorageWeakRef, any_autocast_enabled, queue_after_backward
+
+log = logging.getLogger(__name__)
+
+
+class DoubleBackwardError(RematError):
+    """``create_graph=True`` through a planned step: its backward is one program autograd cannot differentiate."""
+
+
+@dataclass(frozen=True)
+class OutputUsage:
+    """What the caller did with one call's tensor outputs (flat positions), seen as its backward began."""
+
+    n_outputs: int
+    held: frozenset[int]  # still referenced (or a view of them is)
+    graded: frozenset[int]  # a gradient reached them
+    backward_autocast: bool = False  # the backward ran inside a torch.autocast block
+    differentiable: frozenset[int] = frozenset()  # those that carried a gradient into the step
+    output_bytes: tuple[int, ...] = ()  # each output's size (0 for one that is not a tensor)
+
+    @property
+    def dropped(self) -> frozenset[int]:
+        """Outputs neither held nor differentiated: the step may free them once the forward returns them."""
+        return frozenset(range(self.n_outputs)) - self.held - self.graded
+
+    @staticmethod
+    def combined(usages: list[OutputUsage]) -> OutputUsage:
+        """What several ranks' callers did together: held or differentiated on any rank counts."""
+        first = usages[0]
+        return OutputUsage(first.n_outputs, frozenset().union(*(u.held for u in usages)),
+                           frozenset().union(*(u.graded for u in usages)), first.backward_autocast,
+                           frozenset().union(*(u.differentiable for u in usages)), first.output_bytes)
+
+    @property
+    def ungraded(self) -> frozenset[int]:
+        """Outputs held but reached by no gradient: the backward need not take one (NOTE [dropped tangents])."""
+        return (self.held & self.differentiable) - self.graded
+
+
+class _OutputWatch:
+    """One call's outputs, by weak reference to their storage's base tensor: a view the caller keeps keeps it.
+
+    Outputs the plan frees after the forward (``freed``) are watched by their storage instead: nothing of the
+    step holds it then, so a live storage means the caller holds some tensor on it, a ``detach()``-ed copy
+    included (Lightning keeps a ``training_step``'s extra outputs that way), which a tensor's weak reference
+    misses.  The others are watched by tensor as the backward begins, when the step itself may hold their
+    storage for the backward; those that look dropped then are looked at again by their storage once the
+    backward has finished and released what it saved (``amend``): a live storage then is the caller's copy,
+    and the usage is amended to hold it, so the next plan does not free what the caller keeps.
+    """
+
+    def __init__(self, outputs: tuple, differentiable: list[int], record: Callable[[OutputUsage], None],
+                 backward_autocast: bool, freed: frozenset[int] = frozenset(),
+                 amend: Callable[[OutputUsage, OutputUsage], None] | None = None):
+        self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
+        self.storages = {i: StorageWeakRef(t.untyped_storage()) for i, t in enumerate(outputs)
+                         if isinstance(t, torch.Tensor)}
+        self.freed = freed
+        self.nbytes = tuple(t.nbytes if isinstance(t, torch.Tensor) else 0 for t in outputs)
+        self.differentiable = differentiable
+        self.record = record
+        self.amend = amend
+        self.backward_autocast = backward_autocast  # where the step's backward was traced for
+
+    def seen(self, grads: tuple) -> None:
+        graded = {i for i, g in zip(self.differentiable, grads) if g is not None}
+        held = {i for i, ref in enumerate(self.refs) if ref() is not None}
+        held |= {i for i in self.freed if i in self.storages and not self.storages[i].expired()}
+        autocast = any_autocast_enabled()  # the engine runs backward under the caller's autocast
+        if autocast != self.backward_autocast:
+            where = "inside" if autocast else "after"
+            log.warning("remat_plugin: backward() ran %s the torch.autocast block, where this step was traced for "
+                        "the other place; autocast changes the backward's casts, so this step's gradients may "
+                        "differ from eager PyTorch's in rounding. Its next call is traced for backward() %s "
+                        "the block", where, where)
+        usage = OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast,
+                            frozenset(self.differentiable), self.nbytes)
+        self.record(usage)
+        looked_dropped = [i for i in usage.dropped - self.freed if i in self.storages]
+        if looked_dropped and self.amend is not None:
+            queue_after_backward(lambda: self._held_after_backward(usage, looked_dropped))
+
+    def _held_after_backward(self, usage: OutputUsage, looked_dropped: list[int]) -> None:
+        alive = {i for i in looked_dropped if not self.storages[i].expired()}
+        if alive and self.amend is not None:
+            self.amend(usage, replace(usage, held=usage.held | alive))
+
+
+class _WatchedOutputs(torch.autograd.Function):
+    """Identity on the step's differentiable outputs.  Its backward, which runs before the planned one:
+
+    - refuses ``create_graph=True`` before any gradient is computed (AOTAutograd would run the planned
+      backward and fail only at the second backward, with its own message);
+    - tells the watch which outputs are still held and which a gradient reached (``OutputUsage``).
+    """
+
+    @staticmethod
+    def forward(ctx, watch: _OutputWatch, *outputs: torch.Tensor):  # type: ignore[override]
+        ctx.watch = watch
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: that is what we learn
+        return tuple(t.view_as(t) for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        if torch.is_grad_enabled():  # the engine enables grad mode in backward exactly when create_graph=True
+            raise DoubleBackwardError(
+                "remat_plugin.execute: backward(create_graph=True) or torch.autograd.grad(..., create_graph=True) "
+                "through a rematerialized step is not supported: its planned backward is one compiled program, "
+                "which autograd cannot differentiate again (double backward, gradient penalties). Compute the "
+                "double-backward term with the unmodified module (run that call in eval mode or under "
+                "RematModule.original), or call backward without create_graph")
+        ctx.watch.seen(grads)
+        return (None, *grads)
+
+
+def watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_autocast: bool,
+             freed: frozenset[int] = frozenset(),
+             amend: Callable[[OutputUsage, OutputUsage], None] | None = None) -> tuple:
+    """``outputs`` with those that carry gradients routed through :class:`_WatchedOutputs`; ``freed``: those the
+    plan frees after the forward; ``amend``: told the usage again once the backward is over, where it found more
+    held (:class:`_OutputWatch`)."""
+    index = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not index:
+        return outputs
+    watch = _OutputWatch(outputs, index, record, backward_autocast, freed, amend)
+    wrapped = _WatchedOutputs.apply(watch, *(outputs[i] for i in index))
+    out = list(outputs)
+    for i, t in zip(index, wrapped):
+        out[i] = t
+    return tuple(out)
+
+
+def outputs_beside_the_loss(n_outputs: int, scalars: list[int]) -> frozenset[int] | None:
+    """The flat tensor outputs other than the loss, when a call returns one floating scalar (the loss) beside
+    other tensors; else None.  A training step differentiates only the loss, so these are what a plan may hold
+    without a gradient (NOTE [loss-only first plan] in :mod:`remat_plugin.runtime.resolver`)."""
+    if len(scalars) != 1 or n_outputs < 2:
+        return None
+    return frozenset(range(n_outputs)) - {scalars[0]}

@@ -31,7 +31,8 @@ import json, sys, time
 import torch
 from remat_plugin.bench.models import build
 from remat_plugin.runtime.module import rematerialize
-module = None
+from remat_plugin.bench.planning_time import metered_step
+module, planned = None, []
 for shape, budget in {plans!r}:
     bench = build({model!r}, **shape)
     module = bench.module if module is None else module  # later shapes: the same model, its caches warm
@@ -44,6 +45,9 @@ for shape, budget in {plans!r}:
     print(json.dumps({{"shape": shape, "plan_s": t2 - t1, "blocks": len(rm.plan.blocks),
                        "unique_blocks": rm.plan.n_unique_blocks, "overhead": rm.plan.predicted_overhead,
                        "predicted_ms": rm.plan.predicted_time_ms, "stages_s": stages}}))
+    planned.append((rm, bench, args, kwargs, budget))
+for rm, bench, args, kwargs, budget in planned if {meter!r} else ():  # after every plan is timed
+    print(json.dumps(metered_step(rm, bench, args, kwargs, budget)))
 """
 
 
@@ -71,6 +75,7 @@ import json, time
 import torch
 from remat_plugin.bench.models import build
 from remat_plugin.runtime.module import rematerialize
+from remat_plugin.bench.planning_time import metered_step
 shapes = {shapes!r}
 bench = build({model!r}, **shapes[0])
 args, kwargs = bench.make_batch(0)
@@ -87,9 +92,16 @@ for shape in shapes[1:]:
         bench.loss(rm(*args, **kwargs)).backward()
         bench.module.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    print(json.dumps({{"shape": shape, "first_step_s": times[0], "next_step_s": times[1]}}))
+    print(json.dumps({{"shape": shape, "first_step_s": times[0], "next_step_s": times[1],
+                       **metered_step(rm, bench, args, kwargs, {budget})}}))
 print(json.dumps({{"new_plans": rm._resolver.n_solved - n_solved}}))
 """
+
+
+def _check(out: subprocess.CompletedProcess) -> None:
+    """A failed planning subprocess raises with the end of its own error output, which says why."""
+    if out.returncode != 0:
+        raise RuntimeError(f"planning_time: a planning subprocess failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
 
 
 def known_bucket(model: str, shapes: list[dict], share: float) -> dict:
@@ -97,7 +109,8 @@ def known_bucket(model: str, shapes: list[dict], share: float) -> dict:
     shape's first step (its graph captured, the bucket's plan checked by the simulator) against its second."""
     budget = int(unmodified_peak(model, shapes[0]) * share)
     out = subprocess.run([sys.executable, "-c", _KNOWN_BUCKET.format(model=model, shapes=shapes, budget=budget)],
-                         capture_output=True, text=True, check=True)
+                         check=False, capture_output=True, text=True)
+    _check(out)
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     return {"planned": shapes[0], "steps": records[:-1], **records[-1]}
 
@@ -106,16 +119,35 @@ def refine_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
     """The second step of a loop that keeps only the loss, which plans again with the dropped outputs freed, in a
     fresh process: its time against the next step's, and the re-plan's stages."""
     out = subprocess.run([sys.executable, "-c", _REFINE.format(model=model, n_layer=n_layer, budget=budget_bytes)],
-                         capture_output=True, text=True, check=True)
+                         check=False, capture_output=True, text=True)
+    _check(out)
     record = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("{")))
     return {"n_layer": n_layer, **record}
 
 
-def plan_in_order(model: str, plans: list[tuple[dict, int]]) -> list[dict]:
-    """Plan ``(shape, budget bytes)`` pairs one after the other in one fresh process; one record each."""
-    out = subprocess.run([sys.executable, "-c", _PLANS.format(model=model, plans=plans)],
-                         capture_output=True, text=True, check=True)
-    return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+def plan_in_order(model: str, plans: list[tuple[dict, int]], meter: bool = False) -> list[dict]:
+    """Plan ``(shape, budget bytes)`` pairs one after the other in one fresh process; one record each.  ``meter``:
+    then, once every plan is timed, run one training step of each at its shape, metered (:func:`metered_step`)."""
+    out = subprocess.run([sys.executable, "-c", _PLANS.format(model=model, plans=plans, meter=meter)],
+                         check=False, capture_output=True, text=True)
+    _check(out)
+    records = [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+    if meter:
+        for record, metered in zip(records[:len(plans)], records[len(plans):]):
+            record.update(metered)
+    return records[:len(plans)]
+
+
+def metered_step(rm, bench, args: tuple, kwargs: dict, budget_bytes: int) -> dict:
+    """One training step (forward, backward of the loss) of a planned module, its peak read at the allocator."""
+    from remat_plugin.capture.memory_meter import PeakMeter
+
+    device = next(bench.module.parameters()).device
+    with PeakMeter(device) as meter:
+        bench.loss(rm(*args, **kwargs)).backward()
+    bench.module.zero_grad(set_to_none=True)
+    return {"measured_peak_bytes": meter.peak_bytes, "budget_bytes": budget_bytes,
+            "predicted_peak_bytes": rm.plan.predicted_peak_bytes}
 
 
 def cold_plan(model: str, n_layer: int, budget_bytes: int) -> dict:
@@ -139,7 +171,8 @@ def replans(model: str, first: dict, others: list[dict], share: float) -> list[d
     budgets = {json.dumps(s): int(unmodified_peak(model, s) * share) for s in [first, *others]}
     results = []
     for shape in others:
-        warm = plan_in_order(model, [(first, budgets[json.dumps(first)]), (shape, budgets[json.dumps(shape)])])[1]
+        warm = plan_in_order(model, [(first, budgets[json.dumps(first)]), (shape, budgets[json.dumps(shape)])],
+                             meter=True)[1]
         cold = plan_in_order(model, [(shape, budgets[json.dumps(shape)])])[0]
         # Overheads (predicted over unmodified step time, each in its own process's op times): two processes
         # measure the same ops a few percent apart, so predicted milliseconds are not comparable across them.
@@ -172,6 +205,13 @@ def dp_time_ms(n_blocks: int, n_options: int = 10, n_slots: int = 500, repeats: 
 def _shapes(text: str) -> list[dict]:
     """``"8x128,8x256"`` as ``[{"batch_size": 8, "seq_len": 128}, ...]``."""
     return [dict(zip(("batch_size", "seq_len"), map(int, s.split("x")))) for s in text.split(",")]
+
+
+def _metered(record: dict) -> str:
+    mib = 2**20
+    fits = "within" if record["measured_peak_bytes"] <= record["budget_bytes"] else "OVER"
+    return (f"a step of it measured {record['measured_peak_bytes'] / mib:.2f} MiB at the allocator, {fits} the budget "
+            f"of {record['budget_bytes'] / mib:.2f} MiB (predicted {record['predicted_peak_bytes'] / mib:.2f} MiB)")
 
 
 def main() -> None:
@@ -232,11 +272,13 @@ def main() -> None:
               f"(cold {r['cold']['plan_s']:.1f} s); predicted overhead {r['replan']['overhead']:.3f}x, "
               f"the cold plan's {r['cold']['overhead']:.3f}x ({r['overhead_vs_cold'] - 1:+.1%})")
         print("  " + ", ".join(f"{name} {s:.2f} s" for name, s in r["replan"]["stages_s"].items()))
+        print("  " + _metered(r["replan"]))
     if "known_bucket" in results:
         kb, shape = results["known_bucket"], "{batch_size}x{seq_len}"
         for r in kb["steps"]:
             print(f"known bucket ({shape.format(**kb['planned'])} planned) -> {shape.format(**r['shape'])}: first step "
                   f"{r['first_step_s']:.2f} s, next {r['next_step_s']:.2f} s (replay {r['first_step_s'] - r['next_step_s']:.2f} s)")
+            print("  " + _metered(r))
         print(f"  new plans made for them: {kb['new_plans']}")
     if "refine" in results:
         r = results["refine"]

@@ -15,9 +15,10 @@ The loop keeps ``.loss`` and drops the logits (with ``--hold-outputs`` it holds 
 through ``backward()``, as ``out = model(...); out.loss.backward()`` does).  Both copies are planned at
 the same budget (a fraction of the unmodified step's measured peak), each with its feature setting
 for every capture.  Each plan settles first (the re-plan for the dropped logits included); then one
-metered step each (allocator peak, gradients against the unmodified model's) and interleaved timed
-steps, which one goes first alternating.  Reported: the plans' smallest feasible budgets and
-predictions, measured peaks, and median step times.
+metered step each (allocator peak, gradients against the unmodified model's) and timed rounds of the
+unmodified step and both variants, the order rotating.  Reported: the plans' smallest feasible budgets
+and predictions, measured peaks, median step times, each variant's measured overhead (the median of its
+step over the unmodified one in the same round) beside its plan's prediction, and the on/off ratio.
 """
 from __future__ import annotations
 
@@ -123,23 +124,30 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
                                 if a is not None and b is not None and not torch.equal(a, b)],
         }
     plans = {v: modules[v].plan for v in variants}
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    # Each round steps the unmodified model and both variants, the order rotating, so each variant's step time is
+    # also read against the unmodified step's (its measured overhead, beside the plan's prediction).
+    stepped: dict[str, torch.nn.Module] = {"none": reference, **modules}
+    switches["none"] = contextlib.nullcontext
+    names = ("none", *variants)
+    times: dict[str, list[float]] = {v: [] for v in names}
     for k in range(pairs + 1):
-        for variant in (variants if k % 2 == 0 else variants[::-1]):
+        for variant in names[k % 3:] + names[:k % 3]:
             with switches[variant]():
                 t0 = time.perf_counter()
-                _step(modules[variant], bench, batch, hold)
+                _step(stepped[variant], bench, batch, hold)
                 elapsed = time.perf_counter() - t0
-            if k:  # the first pair warms up
+            if k:  # the first round warms up
                 times[variant].append(elapsed)
     assert all(modules[v].plan is plans[v] for v in variants), "a plan changed while timing"
     for variant in variants:
         out[variant]["median_step_s"] = statistics.median(times[variant])
         out[variant]["step_s"] = times[variant]
+        out[variant]["measured_overhead"] = statistics.median(a / b for a, b in zip(times[variant], times["none"]))
     ratios = [a / b for a, b in zip(times[on], times[off])]
     return {"feature": feature, "on": on, "off": off, "model": model, "hold_outputs": hold, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
             "reference_repeatable": reference_repeatable,
             "pairs": pairs, "variants": out, "median_time_ratio": statistics.median(ratios),
+            "none_step_s": times["none"],
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
@@ -161,12 +169,14 @@ def main(argv: list[str] | None = None, feature: str = "dropped-outputs") -> Non
     idiom = ("holds the output through backward, no gradient reaching the logits" if opts.hold_outputs
              else "keeps .loss and drops the logits")
     print(f"{opts.model}, budget {opts.budget} of the unmodified peak ({_mib(result['budget_bytes'])}), "
-          f"the loop {idiom}; {opts.pairs} interleaved pairs, medians; the unmodified model's first two steps' "
+          f"the loop {idiom}; {opts.pairs} rounds of the unmodified step and both variants, interleaved, medians; "
+          f"the unmodified model's first two steps' "
           f"gradients {'equal' if result['reference_repeatable'] else 'DIFFER (the oracle is its second step)'}")
     for variant, r in result["variants"].items():
         print(f"  {variant:13s} smallest feasible {_mib(r['min_feasible_bytes'])}, measured peak "
               f"{_mib(r['measured_peak_bytes'])} (predicted {_mib(r['predicted_peak_bytes'])}, within budget "
-              f"{r['within_budget']}), predicted {r['predicted_overhead']:.3f}x, step {r['median_step_s'] * 1e3:.0f} ms, "
+              f"{r['within_budget']}), predicted {r['predicted_overhead']:.3f}x, measured {r['measured_overhead']:.3f}x, "
+              f"step {r['median_step_s'] * 1e3:.0f} ms, "
               f"gradients bitwise those of the unmodified model: {r['grads_bitwise']}"
               + ("" if r["grads_bitwise"] else f" (max abs diff {r['grad_max_abs_diff']:.3g} in "
                  f"{len(r['grads_differing'])} parameters, first {r['grads_differing'][:3]})"))

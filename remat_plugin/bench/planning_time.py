@@ -12,7 +12,8 @@ bookkeeping).  ``--replan`` times plans of new shapes made after a first one in 
 process (what a training run meets when its batch size or sequence length changes) against
 cold plans of the same shapes.  ``--known-bucket`` times the first and second steps at shapes inside a
 planned bucket (a shorter last batch, dynamic padding): the first captures the graph at its shapes and replays
-the bucket's plan.  ``--refine`` times the second step of a loop that keeps only the
+the bucket's plan.  Both then run one more training step of each new plan or shape, metered at the allocator
+against its budget (after every plan is timed, so the timings are as before).  ``--refine`` times the second step of a loop that keeps only the
 loss, which plans again with the outputs it drops freed (the first step's export traced again).  The
 DP is timed on synthetic chains of 14 and 100 blocks with 10 options each at 500 memory slots.
 """
@@ -142,10 +143,11 @@ def metered_step(rm, bench, args: tuple, kwargs: dict, budget_bytes: int) -> dic
     """One training step (forward, backward of the loss) of a planned module, its peak read at the allocator."""
     from remat_plugin.capture.memory_meter import PeakMeter
 
-    device = next(bench.module.parameters()).device
+    module = rm.original  # the model planned, which a later shape's bench does not build again
+    device = next(module.parameters()).device
     with PeakMeter(device) as meter:
         bench.loss(rm(*args, **kwargs)).backward()
-    bench.module.zero_grad(set_to_none=True)
+    module.zero_grad(set_to_none=True)
     return {"measured_peak_bytes": meter.peak_bytes, "budget_bytes": budget_bytes,
             "predicted_peak_bytes": rm.plan.predicted_peak_bytes}
 

@@ -47,8 +47,8 @@ import torch
 
 from remat_plugin.bench.models import BenchModel, build
 from remat_plugin.bench.peers import EAGER_PEERS, applicable_peers, compiled_memory_budget
-from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, plan_timed, time_ratios
-from remat_plugin.capture.memory_meter import PeakMeter, StorageTracker, measure_peak_profiler
+from remat_plugin.bench.run import BATCH_SEED, GRAD_SEED, allocator_peak, plan_timed, time_ratios
+from remat_plugin.capture.memory_meter import PeakMeter, StorageTracker
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.runtime.module import RematModule
@@ -172,12 +172,7 @@ class _Context:
                 loss.backward()
                 return float(loss.detach())
 
-            if self.device.type == "cpu":
-                loss, peak = measure_peak_profiler(run)
-            else:
-                with PeakMeter(self.device) as meter:
-                    loss = run()
-                peak = meter.peak_bytes
+            loss, peak = allocator_peak(run, self.device)
         grads = [None if p.grad is None else p.grad.detach().clone() for p in module.parameters()]
         module.zero_grad(set_to_none=True)
         return peak, grads, loss

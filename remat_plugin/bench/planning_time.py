@@ -141,14 +141,12 @@ def plan_in_order(model: str, plans: list[tuple[dict, int]], meter: bool = False
 
 def metered_step(rm, bench, args: tuple, kwargs: dict, budget_bytes: int) -> dict:
     """One training step (forward, backward of the loss) of a planned module, its peak read at the allocator."""
-    from remat_plugin.capture.memory_meter import PeakMeter
+    from remat_plugin.bench.run import allocator_peak
 
     module = rm.original  # the model planned, which a later shape's bench does not build again
-    device = next(module.parameters()).device
-    with PeakMeter(device) as meter:
-        bench.loss(rm(*args, **kwargs)).backward()
+    _, peak = allocator_peak(lambda: bench.loss(rm(*args, **kwargs)).backward(), next(module.parameters()).device)
     module.zero_grad(set_to_none=True)
-    return {"measured_peak_bytes": meter.peak_bytes, "budget_bytes": budget_bytes,
+    return {"measured_peak_bytes": peak, "budget_bytes": budget_bytes,
             "predicted_peak_bytes": rm.plan.predicted_peak_bytes}
 
 

@@ -286,6 +286,16 @@ def _no_patching(step: Step) -> Iterator[Step]:
     yield step
 
 
+def allocator_peak(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
+    """``fn()``'s result and its peak rise at the allocator: the profiler's allocator events on CPU (kernel scratch
+    included, NOTE [temporary memory]), the CUDA counters on GPU."""
+    if device.type == "cpu":
+        return measure_peak_profiler(fn)
+    with PeakMeter(device) as meter:
+        result = fn()
+    return result, meter.peak_bytes
+
+
 def metered_bench_step(
     bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device
 ) -> tuple[int, list[torch.Tensor | None], float]:
@@ -299,12 +309,7 @@ def metered_bench_step(
             loss.backward()
             return loss
 
-        if device.type == "cpu":  # the allocator's own events: kernel scratch included (NOTE [temporary memory])
-            loss, peak = measure_peak_profiler(run)
-        else:
-            with PeakMeter(device) as meter:
-                loss = run()
-            peak = meter.peak_bytes
+        loss, peak = allocator_peak(run, device)
     grads = [None if p.grad is None else p.grad.detach().clone() for p in bench.module.parameters()]
     bench.module.zero_grad(set_to_none=True)
     return peak, grads, float(loss.detach())

@@ -20,18 +20,18 @@ CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs
 # traced_like_eager, inductor) in far less time.  CI's budget is 30 minutes for both runs and the set-up.
 CORE_DESELECT := -k "not every_budget and not budget_sweep and not stays_under_budget[bert-tiny]"
 
-.venv/ready: pyproject.toml
+.venv/ready: pyproject.toml constraints-dev.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -c constraints-dev.txt -e ".[test]"
 	touch $@
 
-.venv-torch2.14/ready: pyproject.toml
+.venv-torch2.14/ready: pyproject.toml constraints-dev.txt
 	python3 -m venv .venv-torch2.14
 	$(PY214) -m pip install -q --upgrade pip
 	$(PY214) -m pip install -q torch==2.14.1
-	$(PY214) -m pip install -q -e ".[test]"
+	$(PY214) -m pip install -q -c constraints-dev.txt -e ".[test]"
 	touch $@
 
 demo: .venv/ready

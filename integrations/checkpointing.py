@@ -7,7 +7,10 @@ from typing import Any
 
 from torch import nn
 
+from remat_plugin.runtime.hf_cache import disable_hf_cache
+
 log = logging.getLogger(__name__)
+
 
 def _hf_checkpointing(m: nn.Module) -> bool:
     for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5 renamed it
@@ -28,22 +31,6 @@ def disable_hf_checkpointing(model: nn.Module) -> None:
     off = getattr(model, "activation_checkpointing_disable", None) or getattr(model, "gradient_checkpointing_disable", None)
     if off is not None:
         off()
-
-
-def disable_hf_cache(target: nn.Module) -> list[str]:
-    """Set ``config.use_cache=False`` on transformers models inside ``target``; returns their class names.
-
-    A training forward that returns the key/value cache keeps every layer's keys and values
-    alive past the step, and the cache object cannot be captured.  Transformers makes the same
-    switch when its own gradient checkpointing is on.
-    """
-    changed = []
-    for m in target.modules():
-        config: Any = getattr(m, "config", None)
-        if getattr(config, "use_cache", False) and hasattr(m, "can_generate"):
-            config.use_cache = False
-            changed.append(type(m).__name__)
-    return changed
 
 
 def settle_checkpointing(target: nn.Module, prefix: str, info: Callable[[str], Any],

@@ -58,9 +58,13 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.
         if user:
             f = user[-1]
             where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+        hint = ""
+        if "cache_utils" in first or "Cache'> in output" in first:
+            hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
+                    "for it; call the model with use_cache=False)")
         raise CaptureError(
             f"remat_plugin.capture: torch.export could not capture {type(module).__name__}{where}: "
-            f"{type(exc).__name__}: {first}"
+            f"{type(exc).__name__}: {first}{hint}"
         ) from exc
 
 

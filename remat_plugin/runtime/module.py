@@ -15,6 +15,8 @@ from remat_plugin.ir.problem import Problem
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.compiled_models import refuse_compiled
+from remat_plugin.runtime.hf_cache import cache_off
+from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
@@ -52,6 +54,7 @@ class RematModule(nn.Module):
             find_floor=True, plan_lazily=True, verbose=verbose, compile=compile, backward_segments=backward_segments,
             trace_layers_once=trace_layers_once))
         self.training = original.training
+        self._told_cache_off = False
 
     # --- the original's state, unchanged -------------------------------------------------
     def state_dict(self, *args, **kwargs):
@@ -86,22 +89,33 @@ class RematModule(nn.Module):
     def forward(self, *args, **kwargs):
         if not (self.original.training and torch.is_grad_enabled()):
             return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
-        call = Call.of(self.original, args, kwargs)
-        budget = functools.partial(self._budget_bytes, call)
-        return self._resolver.run(call, self._resolver.step_for(call, budget), budget)
+        with cache_off(self.original, kwargs) as off:  # NOTE [training without the cache]
+            self._tell_cache_off(off)
+            call = Call.of(self.original, args, kwargs)
+            budget = functools.partial(self._budget_bytes, call)
+            return self._resolver.run(call, self._resolver.step_for(call, budget), budget)
 
     def prepare(self, args: tuple, kwargs: dict) -> Plan:
         """Plan for these inputs now (capture, profile, solve) without changing any state."""
-        call = Call.of(self.original, args, kwargs)
-        budget = functools.partial(self._budget_bytes, call)
-        step = self._resolver.step_for(call, budget)
-        if not step.checked:
-            with suspended_user_modes(), unobserved(self.original, call.device), step.planning_only():  # it plans
-                self._resolver.run(call, step, budget)
+        with cache_off(self.original, kwargs) as off:
+            self._tell_cache_off(off)
+            call = Call.of(self.original, args, kwargs)
+            budget = functools.partial(self._budget_bytes, call)
+            step = self._resolver.step_for(call, budget)
+            if not step.checked:
+                with suspended_user_modes(), unobserved(self.original, call.device), step.planning_only():  # it plans
+                    self._resolver.run(call, step, budget)
         self._resolver.latest = self._resolver.steps[call.key]
         plan = self._resolver.latest.plan
         assert plan is not None
         return plan
+
+    def _tell_cache_off(self, models: list[str]) -> None:
+        if models and not self._told_cache_off and self._resolver.verbose:
+            announce(f"remat_plugin: {', '.join(models)} runs its planned training calls with use_cache=False (a "
+                     "training step has no use for the key/value cache, which cannot be captured; the config is "
+                     "set back after each call)")
+        self._told_cache_off = self._told_cache_off or bool(models)
 
     def _budget_bytes(self, call: Call) -> int:
         return parse_budget(self.budget, call.device)

@@ -1,0 +1,86 @@
+"""Transformers models as built from their config (``use_cache=True``) planned by the plain API
+(NOTE [training without the cache] in remat_plugin/runtime/hf_cache.py)."""
+import logging
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from remat_plugin import rematerialize
+
+VOCAB = 200
+
+
+def _model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":  # dropout left on (HF's defaults), use_cache left at its default
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+        model = LlamaForCausalLM(config)
+    assert model.config.use_cache
+    return model.double().train()
+
+
+def _batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (4, 32), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 24:] = 0  # a padded row
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def _grads(model: torch.nn.Module) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_default_config_is_planned_not_a_fallback_with_exact_gradients(family, caplog):
+    """A model with the cache on by default is captured and planned (no per-layer-checkpointing fallback); three
+    steps at 0.6 of the unmodified peak give bitwise the losses and gradients of the unmodified model called
+    without the cache, and within 1e-12 of it called with the cache (float64, dropout on); the config is set back
+    after each call, so evaluation still returns the cache."""
+    ref, model, cached = _model(family), _model(family), _model(family)
+    ref.config.use_cache = False
+    peak = rematerialize(_model(family), (), _batch(0), budget=10**12, verbose=False).plan.baseline_peak_bytes
+    assert peak > 0
+    with caplog.at_level(logging.INFO, logger="remat_plugin"):
+        rm = rematerialize(model, (), _batch(0), budget=int(peak * 0.6), verbose=True)
+    assert rm.plan.fallback is None
+    assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes
+    assert any("use_cache=False" in r.getMessage() for r in caplog.records)
+    assert model.config.use_cache
+    for step in range(3):
+        torch.manual_seed(step)
+        ours = rm(**_batch(step)).loss
+        ours.backward()
+        torch.manual_seed(step)
+        theirs = ref(**_batch(step)).loss
+        theirs.backward()
+        torch.manual_seed(step)
+        cached(**_batch(step)).loss.backward()
+        assert torch.equal(ours, theirs)
+        mine, oracle, with_cache = _grads(model), _grads(ref), _grads(cached)
+        assert mine.keys() == oracle.keys() == with_cache.keys()
+        for name in oracle:
+            assert torch.equal(mine[name], oracle[name]), name
+            torch.testing.assert_close(mine[name], with_cache[name], rtol=1e-12, atol=1e-15)
+        for m in (model, ref, cached):
+            m.zero_grad(set_to_none=True)
+    assert model.config.use_cache
+    assert rm.plan.fallback is None
+    rm.eval()
+    with torch.no_grad():
+        assert rm(**_batch(0)).past_key_values is not None  # the caller's own setting, outside training
+
+
+def test_a_call_asking_for_the_cache_falls_back_and_names_the_fix():
+    """A training call that passes use_cache=True is left as asked: the cache cannot be captured, so the model
+    is checkpointed layer by layer, and the reason says to call it with use_cache=False."""
+    model = _model("gpt2")
+    rm = rematerialize(model, (), {**_batch(0), "use_cache": True}, budget="1GiB", verbose=False)
+    assert rm.plan.fallback is not None
+    assert "call the model with use_cache=False" in rm.plan.fallback
+    assert model.config.use_cache

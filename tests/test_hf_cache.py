@@ -4,9 +4,10 @@ import logging
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
 
 from remat_plugin import rematerialize
+from remat_plugin.runtime.hf_cache import cached_configs, disable_hf_cache
 
 VOCAB = 200
 
@@ -16,6 +17,10 @@ def _model(family: str) -> torch.nn.Module:
     if family == "gpt2":  # dropout left on (HF's defaults), use_cache left at its default
         config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64)
         model = GPT2LMHeadModel(config)
+    elif family == "t5":  # an encoder-decoder: its decoder stack has a config of its own
+        config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                          decoder_start_token_id=0, pad_token_id=0)
+        model = T5ForConditionalGeneration(config)
     else:
         config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
@@ -36,14 +41,15 @@ def _grads(model: torch.nn.Module) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "t5"])
 def test_default_config_is_planned_not_a_fallback_with_exact_gradients(family, caplog):
     """A model with the cache on by default is captured and planned (no per-layer-checkpointing fallback); three
     steps at 0.6 of the unmodified peak give bitwise the losses and gradients of the unmodified model called
     without the cache, and within 1e-12 of it called with the cache (float64, dropout on); the config is set back
     after each call, so evaluation still returns the cache."""
     ref, model, cached = _model(family), _model(family), _model(family)
-    ref.config.use_cache = False
+    disable_hf_cache(ref)
+    n_cached = len(cached_configs(model))
     peak = rematerialize(_model(family), (), _batch(0), budget=10**12, verbose=False).plan.baseline_peak_bytes
     assert peak > 0
     with caplog.at_level(logging.INFO, logger="remat_plugin"):
@@ -51,7 +57,7 @@ def test_default_config_is_planned_not_a_fallback_with_exact_gradients(family, c
     assert rm.plan.fallback is None
     assert rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes
     assert any("use_cache=False" in r.getMessage() for r in caplog.records)
-    assert model.config.use_cache
+    assert len(cached_configs(model)) == n_cached  # every config set back (T5's decoder stack's too)
     for step in range(3):
         torch.manual_seed(step)
         ours = rm(**_batch(step)).loss
@@ -69,7 +75,7 @@ def test_default_config_is_planned_not_a_fallback_with_exact_gradients(family, c
             torch.testing.assert_close(mine[name], with_cache[name], rtol=1e-12, atol=1e-15)
         for m in (model, ref, cached):
             m.zero_grad(set_to_none=True)
-    assert model.config.use_cache
+    assert len(cached_configs(model)) == n_cached
     assert rm.plan.fallback is None
     rm.eval()
     with torch.no_grad():

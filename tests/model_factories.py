@@ -23,6 +23,22 @@ def mlp(batch_size: int, seq_len: int):
     return SumLoss(), (torch.randn(batch_size * seq_len, 256),), {}
 
 
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: torch.export cannot capture it
+            return self.lin(x).sum()
+        return self.lin(-x).sum()
+
+
+def data_dependent(batch_size: int, seq_len: int):
+    """A model ``torch.export`` cannot capture."""
+    return _DataDependent(), (torch.randn(batch_size, seq_len, 8),), {}
+
+
 def not_a_factory(batch_size: int, seq_len: int):
     return "nothing"
 

@@ -175,6 +175,22 @@ def test_parameters_and_state_dict_are_the_originals():
     rm.load_state_dict(clone)
 
 
+def test_attributes_it_lacks_are_the_originals():
+    """``rm.config``, ``rm.lm_head`` and ``rm.generate`` are the original's (a drop-in for ``model``); a name neither
+    has still raises AttributeError."""
+    a, _ = _pair("gpt2-tiny", torch.float32)
+    args, kwargs = a.make_batch(0)
+    rm = rematerialize(a.module, args, kwargs, budget=10**10, verbose=False)
+    assert rm.config is a.module.config and rm.lm_head is a.module.lm_head
+    rm.eval()
+    prompt = kwargs["input_ids"][:1, :4]
+    assert torch.equal(rm.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False),
+                       a.module.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                                         do_sample=False))
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        rm.no_such_attribute  # noqa: B018
+
+
 def test_new_shape_replans_and_stays_exact():
     """A new sequence length plans again; gradients still match plain PyTorch."""
     a, b = _pair("gpt2-tiny")

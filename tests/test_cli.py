@@ -84,3 +84,26 @@ def test_plan_a_module_factory_and_name_a_bad_one():
     assert "predicted peak" in proc.stdout and RECOMPUTED.search(proc.stdout)
     bad = _remat("plan", "tests.model_factories:not_a_factory", "--budget", "6MiB")
     assert bad.returncode == 2 and "must return (module, args, kwargs)" in bad.stderr
+
+
+def test_plan_a_config_json_with_the_cache_on(tmp_path):
+    """A config as the hub gives it (``use_cache`` left at transformers' default, True) plans on meta: the CLI
+    builds the model with the key/value cache off, which a training step does not use and export cannot capture."""
+    config = json.loads((ROOT / "remat_plugin" / "cli" / "presets" / "llama.json").read_text())
+    del config["use_cache"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    proc = _remat("plan", str(path), "--batch-size", "2", "--seq-len", "64", "--budget", "1GiB", "--device", "meta",
+                  "--ilp-time-limit-s", "0.2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "predicted peak" in proc.stdout and "could not capture" not in proc.stderr
+
+
+def test_uncapturable_model_is_an_error_line_and_exit_code_2():
+    """A model torch.export cannot capture ends ``remat plan`` with exit code 2 and our one-line error naming the
+    model's line (after whatever torch itself logs), not a traceback."""
+    proc = _remat("plan", "tests.model_factories:data_dependent", "--budget", "1GiB")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-2000:])
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("remat plan: error: remat_plugin.capture: torch.export could not capture"), last
+    assert "model_factories.py" in last and "Traceback" not in proc.stderr

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from remat_plugin.errors import RematError
+from remat_plugin.runtime.hf_cache import disable_hf_cache
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
 FORMS = "a preset (" + "{presets}" + "), a path to an HF config .json, or module:factory"
@@ -64,8 +65,9 @@ def _build_hf(data: dict[str, Any], device: torch.device) -> nn.Module:
     if cls is None:
         cls = transformers.AutoModelForCausalLM
     with torch.device(device):
-        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
-    return model.train()  # type: ignore[union-attr]
+        model: nn.Module = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)  # type: ignore[assignment]
+    disable_hf_cache(model)  # a config from the hub has use_cache on; a training step has no use for the cache
+    return model.train()
 
 
 def hf_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device) -> tuple[tuple, dict]:

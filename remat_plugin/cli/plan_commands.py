@@ -17,7 +17,7 @@ import time
 import torch
 
 from remat_plugin.cli.model_source import ModelSpecError, load_model
-from remat_plugin.errors import BudgetFormatError, InfeasibleBudgetError, human_bytes
+from remat_plugin.errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, human_bytes
 from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
@@ -79,7 +79,7 @@ def run_plan(args: argparse.Namespace) -> int:
             problem, constants = capture_problem(model, margs, mkwargs, progress=progress)
             progress.stage("solve blocks, chain DP")
             plan, schedule = make_plan(problem, constants, budget, args.ilp_time_limit_s, progress)
-    except (BudgetFormatError, ModelSpecError) as exc:
+    except (BudgetFormatError, ModelSpecError, CaptureError) as exc:  # CaptureError: the model's line is named
         print(f"remat plan: error: {exc}", file=sys.stderr)
         return 2
     except InfeasibleBudgetError as exc:

@@ -32,6 +32,9 @@ class RematModule(nn.Module):
 
     ``original`` is not registered as a child: parameters, buffers and ``state_dict``
     keys are exactly the original's, and the Parameter objects are the same objects.
+    Attributes this module lacks are read from ``original`` (``rm.config``, ``rm.lm_head``,
+    ``rm.generate(...)``), as ``torch.compile``'s wrapper does; a method read that way runs the
+    original's own forward, unplanned (generation runs without gradients, so nothing is saved).
     Steps are resolved as in a training session (:mod:`remat_plugin.runtime.resolver`) with
     exact shapes: a call with new shapes replays a known plan that covers them, else plans
     them inside that call.  With ``verbose`` (default) planning shows a progress bar on a
@@ -57,6 +60,15 @@ class RematModule(nn.Module):
         self._told_cache_off = False
 
     # --- the original's state, unchanged -------------------------------------------------
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # our own parameters, buffers and modules (none but the original's)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None:
+                raise
+        return getattr(original, name)
+
     def state_dict(self, *args, **kwargs):
         return self.original.state_dict(*args, **kwargs)
 

@@ -240,3 +240,45 @@ def test_remove_restores_the_model(one_rank):
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     remat.remove()
     assert all("forward" not in vars(unit) for _, unit in leaf_units(bench.module))
+
+
+def test_a_transformers_model_as_built_plans_with_its_cache_off(one_rank):
+    """A Llama built from its config (``use_cache=True``, whose ``DynamicCache`` reached every unit and failed the
+    capture): planned and settled with the cache off while installed, float64 losses and gradients bitwise plain
+    FSDP2's with the cache off; ``remove()`` turns it back on."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    ids = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 20:] = 0
+    runs = {}
+    for planned in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                                             max_position_embeddings=64)).double().train()
+        assert model.config.use_cache
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if planned:
+            remat = rematerialize_fsdp(model, 10 << 30)
+            assert not model.config.use_cache
+        else:
+            model.config.use_cache = False
+        steps = []
+        for k in range(3):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(k)
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+            loss.backward()
+            steps.append([loss.detach()] + [p.grad.full_tensor() for p in model.parameters()])
+        runs[planned] = steps
+    assert remat.groups and all(g.settled for g in remat.groups.values())
+    for a, b in zip(runs[False], runs[True]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    remat.remove()
+    assert model.config.use_cache

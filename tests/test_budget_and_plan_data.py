@@ -33,6 +33,13 @@ def test_bad_budgets_name_the_accepted_forms(bad):
         parse_budget(bad)
 
 
+@pytest.mark.parametrize(("fraction", "share"), [(0.8, "80%"), ("0.8", "80%"), ("0.25", "25%")])
+def test_a_fraction_is_refused_with_the_share_it_meant(fraction, share):
+    """A budget under one byte (0.8, read as bytes, was 0) is refused, naming the share of memory meant."""
+    with pytest.raises(BudgetFormatError, match=f"less than one byte; for a share of free memory write '{share}'"):
+        parse_budget(fraction)
+
+
 def test_margin_round_trip():
     """budget_for_peak gives the smallest budget whose usable part holds the peak."""
     for peak in [1, 10_000, 12_345_678, 3 * 2**30]:

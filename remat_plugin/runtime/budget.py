@@ -42,10 +42,16 @@ def parse_budget(budget: float | str, device: torch.device | str = "cpu") -> int
 
     if isinstance(budget, bool):
         raise bad(f"budget {budget!r} is not a budget")
-    if isinstance(budget, (int, float)):
-        if budget <= 0:
+    def whole_bytes(value: float) -> int:
+        if value <= 0:
             raise bad(f"budget {budget!r} must be positive")
-        return int(budget)
+        if value < 1:  # 0.8 read as bytes is 0: a share of memory was meant
+            raise bad(f"budget {budget!r} is less than one byte; for a share of free memory write '{value:.0%}'",
+                      accepted=None)
+        return int(value)
+
+    if isinstance(budget, (int, float)):
+        return whole_bytes(budget)
     if not isinstance(budget, str):
         raise bad(f"budget {budget!r} has type {type(budget).__name__}")
     text = budget.strip()
@@ -58,7 +64,4 @@ def parse_budget(budget: float | str, device: torch.device | str = "cpu") -> int
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise bad(f"cannot read budget {budget!r}")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise bad(f"budget {budget!r} must be positive")
-    return int(value)
+    return whole_bytes(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -83,6 +83,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from remat_plugin.batch_size.search import BatchSizeChoice
 from remat_plugin.batch_size.tune import tune_batch_size
+from remat_plugin.capture.forward_swap import InstalledForward
 from remat_plugin.capture.memory_meter import warm_backward_workspaces
 from remat_plugin.errors import OptionError, RematError
 from remat_plugin.integrations.checkpointing import settle_checkpointing
@@ -222,11 +223,17 @@ class RematHook(ModelHook):
             if self._stored_state is not None:
                 self.session.load_state_dict(self._stored_state)
         self._real_forward = real
-        self._dispatch = self.session.dispatcher(real)
+        dispatch = self.session.dispatcher(real)
         if self.wrap_forward is not None:
-            self._dispatch = self.wrap_forward(self._dispatch)
+            dispatch = self.wrap_forward(dispatch)
+        # A deep copy of the module (an EMA model) takes the forward below ours, bound to the copy, and a plain hook
+        # (NOTE [copies of a module we run]): it used to run this module's parameters.
+        self._dispatch = InstalledForward(dispatch, module, real)
         module._old_forward = self._dispatch  # type: ignore[assignment]
         return module
+
+    def __reduce__(self):
+        return ModelHook, ()  # a copy of the module runs plain (NOTE [copies of a module we run])
 
     def detach_hook(self, module: nn.Module) -> nn.Module:
         if self._dispatch is not None:

@@ -99,6 +99,25 @@ def test_removing_the_hook_restores_forward_and_keeps_state_dict_keys():
     assert hook.session.n_solved == 1 and first.calls == calls + 1  # the call went straight to the original forward
 
 
+def test_a_deep_copy_of_the_prepared_model_is_plain_and_runs_its_own_parameters():
+    """An EMA-style ``copy.deepcopy`` of a planned model: the copy has no RematHook, its forward computes with its own
+    parameters (it ran the original's, and copying the planned session crashed the process at exit), and the
+    original keeps training under its plan (NOTE [copies of a module we run])."""
+    model = remat_accelerate.prepare(Accelerator(cpu=True), tiny_gpt2(), budget=10**12, ilp_time_limit_s=ILP_S)
+    _step(model, token_ids(0), seed=0)
+    copied = copy.deepcopy(model)
+    assert find_hook(copied) is None and find_hook(model) is not None
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.mul_(0.5)
+        copied.eval()
+        ids = token_ids(1)
+        assert torch.equal(copied(input_ids=ids).logits, type(copied).forward(copied, input_ids=ids).logits)
+        assert not torch.equal(copied(input_ids=ids).logits, type(model).forward(model, input_ids=ids).logits)
+    _step(model, token_ids(1), seed=1)
+    assert find_hook(model).session.n_solved == 1
+
+
 def test_save_state_load_state_round_trip_with_the_hook(tmp_path):
     """save_state/load_state restore weights and optimizer exactly and carry the plans: a resumed run goes on
     with the same losses, replaying the checkpoint's plan instead of solving."""

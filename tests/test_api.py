@@ -191,6 +191,28 @@ def test_attributes_it_lacks_are_the_originals():
         rm.no_such_attribute  # noqa: B018
 
 
+def test_copies_and_pickles_are_fresh_modules_that_plan_again():
+    """``copy.deepcopy(rm)`` and a pickle round trip give a module over a copy of the original, with the same budget
+    and options, which plans at its first training call and steps like the original (a deep copy of the planned
+    state used to corrupt the heap: the process aborted at exit)."""
+    import pickle
+
+    a, b = _pair("gpt2-tiny")
+    args, kwargs = a.make_batch(0)
+    rm = rematerialize(a.module, args, kwargs, budget=10**10, verbose=False)
+    for made in (copy.deepcopy(rm), pickle.loads(pickle.dumps(rm))):
+        assert made.original is not a.module and made.budget == rm.budget and made.plan is None
+        assert all(p is not q and torch.equal(p, q) for p, q in zip(made.parameters(), a.module.parameters()))
+        made.original.zero_grad(set_to_none=True)
+        b.module.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        made(*args, **kwargs).loss.backward()
+        torch.manual_seed(0)
+        b.module(*args, **kwargs).loss.backward()
+        assert made.plan is not None
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(made.parameters(), b.module.parameters()))
+
+
 def test_new_shape_replans_and_stays_exact():
     """A new sequence length plans again; gradients still match plain PyTorch."""
     a, b = _pair("gpt2-tiny")

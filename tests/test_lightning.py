@@ -112,6 +112,37 @@ def test_teardown_restores_forward_and_bad_module_name_is_named():
         train(options, [AutoRemat(budget=10**12, module="encoder")])
 
 
+class _CopyDuringFit(pl.Callback):
+    """What an EMA callback does: a deep copy of the module while AutoRemat runs it, then the copy's own forward."""
+
+    def __init__(self):
+        self.checked = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.checked:
+            return
+        copy_ = __import__("copy").deepcopy(pl_module.model)
+        ids = batch[:1]  # the example feeds token ids as one tensor
+        with torch.no_grad():
+            for p in copy_.parameters():
+                p.mul_(0.5)  # the copy's parameters differ from the module's from here on
+            copy_.eval()
+            mine = copy_(input_ids=ids).logits
+            plain = type(copy_).forward(copy_, input_ids=ids).logits  # the copy's class forward on its own weights
+            live = type(pl_module.model).forward(pl_module.model, input_ids=ids).logits
+        assert torch.equal(mine, plain) and not torch.equal(mine, live)
+        self.checked = True
+
+
+def test_a_deep_copy_during_fit_runs_its_own_parameters():
+    """A deep copy of the module AutoRemat runs (an EMA or averaged model) is a plain copy: its forward computes with
+    its own parameters (NOTE [copies of a module we run]); it used to run the live module's."""
+    options = _options("data.seq_lens=[64]", "data.batches_per_len=1", "trainer.max_steps=2")
+    check = _CopyDuringFit()
+    _run(options, 10**12, callbacks=[check])
+    assert check.checked
+
+
 def test_module_none_picks_what_training_step_runs():
     """``module=None`` picks ``self.model`` (largest child); with ``self(...)`` in training_step, the module itself."""
     from remat_plugin.integrations.lightning import pick_target

@@ -58,6 +58,14 @@ class RematModule(nn.Module):
             trace_layers_once=trace_layers_once))
         self.training = original.training
         self._told_cache_off = False
+        self._options = {"verbose": verbose, "compile": compile, "backward_segments": backward_segments,
+                         "trace_layers_once": trace_layers_once}
+
+    def __reduce_ex__(self, protocol):
+        """A copy or an unpickled module is the original's copy under the same budget and options, planned again
+        at its first training call: the plans' programs hold this original's parameters (copying them whole
+        copied torch's tracing state and corrupted the heap at exit)."""
+        return _remade, (self.original, self.budget, self.ilp_time_limit_s, self._options, self.training)
 
     # --- the original's state, unchanged -------------------------------------------------
     def __getattr__(self, name: str):
@@ -147,6 +155,13 @@ class RematModule(nn.Module):
     def steps(self) -> Mapping[str, PlannedStep]:
         """The planned steps by input signature key (read-only)."""
         return MappingProxyType(self._resolver.steps)
+
+
+def _remade(original: nn.Module, budget: int | str, ilp_time_limit_s: float, options: dict,
+            training: bool) -> RematModule:
+    rm = RematModule(original, budget, ilp_time_limit_s, **options)
+    rm.training = training
+    return rm
 
 
 def rematerialize(

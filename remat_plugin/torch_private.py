@@ -41,6 +41,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _BoxedCodeGen as BoxedCodeGen
 from torch.multiprocessing.reductions import StorageWeakRef  # a weak reference to a storage, not to one tensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.checkpoint import CheckpointFunction
 
 from remat_plugin.errors import RematError
 
@@ -78,6 +79,7 @@ __all__ = [
     "profiler_active",
     "pytree",
     "queue_after_backward",
+    "reentrant_checkpoints_inlined",
     "reset_dynamo",
     "suspended_user_modes",
     "traced_like_eager",
@@ -294,3 +296,32 @@ def suspended_user_modes() -> Iterator[None]:
     finally:
         for mode in reversed(function_modes):
             torch._C._push_on_torch_function_stack(mode)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_inlined() -> Iterator[None]:
+    """Inside, ``torch.utils.checkpoint``'s reentrant form (``use_reentrant=True``, HF's gradient checkpointing with
+    those kwargs) runs its function directly.
+
+    Its autograd.Function runs the function under ``no_grad``, so ``torch.export`` saw no gradient path through
+    it and the step had nothing to plan.  Capture only needs the function's ops: the plan decides what is
+    recomputed, and the gradients are the function's, as reentrant checkpointing's are.  Where no tensor
+    argument requires grad, reentrant checkpointing gives the function's parameters no gradient (its known
+    pitfall); the function then runs under ``no_grad`` here too, so the step is eager PyTorch's either way.
+    """
+    own = CheckpointFunction.__dict__.get("apply")
+
+    def apply(cls, function, preserve_rng_state, *args):
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function(*args)
+        with torch.no_grad():
+            return function(*args)
+
+    CheckpointFunction.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del CheckpointFunction.apply
+        else:
+            CheckpointFunction.apply = own  # type: ignore[method-assign]

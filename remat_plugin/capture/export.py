@@ -33,6 +33,7 @@ from remat_plugin.torch_private import (
     aot_function,
     is_tangent,
     pytree,
+    reentrant_checkpoints_inlined,
     suspended_user_modes,
     traced_like_eager,
     without_donated_buffers,
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """``torch.export`` with a :class:`CaptureError` that names the failing op or line."""
     try:
-        with suspended_user_modes():  # the caller's FLOP counter or memory tracker would meet fake tensors
+        # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
+        with suspended_user_modes(), reentrant_checkpoints_inlined():
             return torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.segments import MAX_SEGMENTS
+from remat_plugin.errors import CaptureError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Problem
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
@@ -127,7 +128,12 @@ class RematModule(nn.Module):
                     self._resolver.run(call, step, budget)
         self._resolver.latest = self._resolver.steps[call.key]
         plan = self._resolver.latest.plan
-        assert plan is not None
+        if plan is None:  # the trace found no gradient to take: an inference graph, nothing to plan
+            raise CaptureError(
+                f"remat_plugin: {type(self.original).__name__} called with these inputs returns no tensor that "
+                "requires grad, so its step has no backward to plan. Is it in training mode with trainable "
+                "parameters? A reentrant torch.utils.checkpoint (use_reentrant=True) whose inputs do not require "
+                "grad gives its parameters no gradient: make an input require grad, or use use_reentrant=False")
         return plan
 
     def _tell_cache_off(self, models: list[str]) -> None:

@@ -56,3 +56,13 @@ class TinyLM(nn.Module):
     def forward(self, ids, labels):
         logits = self.head(self.body(self.emb(ids)))
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits
+
+
+def gpt2_as_built(batch_size: int, seq_len: int):
+    """A transformers GPT-2 with its config's defaults (``use_cache=True``), 2 small layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=200, n_positions=max(64, seq_len)))
+    ids = torch.randint(0, 200, (batch_size, seq_len))
+    return model, (), {"input_ids": ids, "labels": ids}

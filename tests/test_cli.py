@@ -87,14 +87,19 @@ def test_plan_a_module_factory_and_name_a_bad_one():
 
 
 def test_plan_a_config_json_with_the_cache_on(tmp_path):
-    """A config as the hub gives it (``use_cache`` left at transformers' default, True) plans on meta: the CLI
-    builds the model with the key/value cache off, which a training step does not use and export cannot capture."""
+    """A config as the hub gives it (``use_cache`` left at transformers' default, True) plans on meta, and so does a
+    factory's transformers model (on cpu): the CLI turns the key/value cache off, which a training step does not
+    use and export cannot capture."""
     config = json.loads((ROOT / "remat_plugin" / "cli" / "presets" / "llama.json").read_text())
     del config["use_cache"]
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     proc = _remat("plan", str(path), "--batch-size", "2", "--seq-len", "64", "--budget", "1GiB", "--device", "meta",
                   "--ilp-time-limit-s", "0.2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "predicted peak" in proc.stdout and "could not capture" not in proc.stderr
+    proc = _remat("plan", "tests.model_factories:gpt2_as_built", "--batch-size", "2", "--seq-len", "32", "--budget",
+                  "1GiB", "--ilp-time-limit-s", "0.2")  # a factory's transformers model, the cache on
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "predicted peak" in proc.stdout and "could not capture" not in proc.stderr
 

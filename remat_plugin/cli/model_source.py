@@ -94,6 +94,7 @@ def load_model(spec: str, batch_size: int, seq_len: int, device: torch.device) -
         if not (isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module)):
             raise ModelSpecError(f"remat: {spec} must return (module, args, kwargs), not {type(made).__name__}")
         module, args, kwargs = made
+        disable_hf_cache(module)  # a transformers model inside has use_cache on by default; planning has no use for it
         return module.train(), tuple(args), dict(kwargs)
     model = _build_hf(_hf_config(spec), device)
     args, kwargs = hf_inputs(model, batch_size, seq_len, device)

@@ -9,6 +9,7 @@ from remat_plugin.bench.models import build
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.errors import RematError
 from remat_plugin.runtime.config import ConfigError, RematConfig
+from remat_plugin.torch_private import reset_dynamo
 
 MODELS = {"gpt2-tiny": {"n_layer": 2, "batch_size": 4, "seq_len": 128},
           "bert-tiny": {"n_layer": 2, "batch_size": 4, "seq_len": 128}}
@@ -45,6 +46,17 @@ def test_a_compiled_model_is_refused_naming_compile_true():
     bench = build("mlp-chain", seed=0)
     with pytest.raises(RematError, match=r"torch\.compile.*compile=True"):
         rematerialize(torch.compile(bench.module), *bench.make_batch(0), budget="1GB")
+
+
+def test_compiling_the_planned_module_is_refused_naming_compile_true():
+    """``torch.compile(rm)`` (or ``rm.compile()``) is refused at its first call with the way to compile the planned
+    step; dynamo used to compile our capture code and fail deep inside torch."""
+    bench = build("mlp-chain", seed=0)
+    args, kwargs = bench.make_batch(0)
+    rm = rematerialize(bench.module, args, kwargs, budget="1GB", verbose=False)
+    with pytest.raises(RematError, match=r"torch\.compile\(rm\).*compile=True"):
+        torch.compile(rm)(*args, **kwargs)
+    reset_dynamo()
 
 
 def test_remat_compile_variable():

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.segments import MAX_SEGMENTS
-from remat_plugin.errors import CaptureError
+from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.ir.plan import Plan
 from remat_plugin.ir.problem import Problem
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
@@ -108,6 +108,8 @@ class RematModule(nn.Module):
 
     # --- planning and running ------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # dynamo is tracing this call (torch.compile(rm))
+            _refuse_dynamo()
         if not (self.original.training and torch.is_grad_enabled()):
             return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
         with cache_off(self.original, kwargs) as off:  # NOTE [training without the cache]
@@ -161,6 +163,14 @@ class RematModule(nn.Module):
     def steps(self) -> Mapping[str, PlannedStep]:
         """The planned steps by input signature key (read-only)."""
         return MappingProxyType(self._resolver.steps)
+
+
+@torch.compiler.disable
+def _refuse_dynamo() -> None:
+    """Raised from outside dynamo (it cannot inline a disabled function), so the caller sees this error; a raise in
+    the traced frame itself was a graph break, and dynamo went on to compile our capture code and failed deep in it."""
+    raise RematError("remat_plugin: torch.compile(rm) cannot trace a planned step (its programs are built and run "
+                     "outside dynamo); compile the planned step with rematerialize(model, ..., compile=True) instead")
 
 
 def _remade(original: nn.Module, budget: int | str, ilp_time_limit_s: float, options: dict,

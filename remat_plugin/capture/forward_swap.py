@@ -37,11 +37,13 @@ class InstalledForward(functools.partial):
 
     module: nn.Module
     previous: Callable | None
+    __wrapped__: Callable
 
     def __new__(cls, fn: Callable, module: nn.Module, previous: Callable | None):
         self = super().__new__(cls, fn)
         self.module = module
         self.previous = previous
+        self.__wrapped__ = fn  # what inspect and Lightning's is_overridden read a forward's code and signature from
         return self
 
     def __reduce__(self):  # type: ignore[override]

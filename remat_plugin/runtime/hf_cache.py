@@ -27,7 +27,7 @@ def cached_configs(target: nn.Module) -> list[tuple[str, Any]]:
     each config once (a causal LM and its inner model share one)."""
     found: dict[int, tuple[str, Any]] = {}
     for m in target.modules():
-        config: Any = getattr(m, "config", None)
+        config: Any = m.__dict__.get("config")  # a plain attribute on transformers models; getattr's miss was slow
         if getattr(config, "use_cache", False) and hasattr(m, "can_generate") and id(config) not in found:
             found[id(config)] = (type(m).__name__, config)
     return list(found.values())

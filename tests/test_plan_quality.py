@@ -51,7 +51,9 @@ from remat_plugin.planning.solvers.ilp import BlockIlp
 N_BUDGETS = 8
 PLAN_ILP_TIME_LIMIT_S = 5.0  # block ILPs solved to optimality even on a loaded machine: reproducible plans
 MAX_OPS = 80  # whole-graph ILP solved to optimality in reasonable time
-ILP_TIME_LIMIT_S = 60.0  # per budget; only a safety net: the test fails if the ILP does not report optimal
+# Per budget; only a safety net: the test fails if the ILP does not report optimal.  preln_layer's tightest budget takes
+# 25 s alone on this 2-core machine and took over 60 s in a CI run beside other processes (2026-11-26).
+ILP_TIME_LIMIT_S = 150.0
 ILP_GAP = 0.01  # HiGHS "optimal" = proved within 1 % (remat_plugin.planning.solvers.pulp_backend.DEFAULT_GAP_REL)
 MAX_GEO_RATIO = {"mlp6": 1.05, "preln_layer": 1.05}  # ours within 5% of the ILP optimum (measured: 1.024 and 1.041)
 # Our smallest feasible budget vs the ILP's least peak: measured 1.35x (MLP) and 1.07x

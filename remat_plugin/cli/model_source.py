@@ -65,9 +65,8 @@ def _build_hf(data: dict[str, Any], device: torch.device) -> nn.Module:
     if cls is None:
         cls = transformers.AutoModelForCausalLM
     with torch.device(device):
-        model: nn.Module = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)  # type: ignore[assignment]
-    disable_hf_cache(model)  # a config from the hub has use_cache on; a training step has no use for the cache
-    return model.train()
+        model = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
+    return model.train()  # type: ignore[union-attr]
 
 
 def hf_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.device) -> tuple[tuple, dict]:
@@ -82,7 +81,15 @@ def hf_inputs(model: nn.Module, batch_size: int, seq_len: int, device: torch.dev
 
 
 def load_model(spec: str, batch_size: int, seq_len: int, device: torch.device) -> tuple[nn.Module, tuple, dict]:
-    """The module named by ``spec`` on ``device`` with inputs of ``batch_size`` x ``seq_len``."""
+    """The module named by ``spec`` on ``device`` with inputs of ``batch_size`` x ``seq_len``, any transformers model
+    in it with its key/value cache off (a hub config has it on; a training step has no use for it, and export cannot
+    capture it)."""
+    module, args, kwargs = _load(spec, batch_size, seq_len, device)
+    disable_hf_cache(module)
+    return module, args, kwargs
+
+
+def _load(spec: str, batch_size: int, seq_len: int, device: torch.device) -> tuple[nn.Module, tuple, dict]:
     if ":" in spec and not spec.endswith(".json"):
         module_name, _, factory_name = spec.partition(":")
         try:
@@ -94,7 +101,6 @@ def load_model(spec: str, batch_size: int, seq_len: int, device: torch.device) -
         if not (isinstance(made, tuple) and len(made) == 3 and isinstance(made[0], nn.Module)):
             raise ModelSpecError(f"remat: {spec} must return (module, args, kwargs), not {type(made).__name__}")
         module, args, kwargs = made
-        disable_hf_cache(module)  # a transformers model inside has use_cache on by default; planning has no use for it
         return module.train(), tuple(args), dict(kwargs)
     model = _build_hf(_hf_config(spec), device)
     args, kwargs = hf_inputs(model, batch_size, seq_len, device)

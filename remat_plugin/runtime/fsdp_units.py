@@ -73,7 +73,7 @@ from remat_plugin.planning.choose_plan import chained_plan, make_plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.budget import parse_budget
-from remat_plugin.runtime.hf_cache import cached_configs
+from remat_plugin.runtime.hf_cache import cache_off
 from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
@@ -175,13 +175,11 @@ class FsdpRemat:
                        model.register_forward_hook(self._step_outputs)]
         # The key/value cache a transformers model returns cannot be captured (NOTE [training without the cache]):
         # off while installed, as the Lightning and Accelerate adapters have it, and back on at remove().
-        self._cached_configs = cached_configs(model)
-        for _, config in self._cached_configs:
-            config.use_cache = False
-        if self._cached_configs:
-            announce(f"remat_plugin.fsdp: setting use_cache=False on {', '.join(n for n, _ in self._cached_configs)} "
-                     "(a training step has no use for the key/value cache, which cannot be captured; remove() sets "
-                     "it back)")
+        self._cache = contextlib.ExitStack()
+        turned_off = self._cache.enter_context(cache_off(model, {}))
+        if turned_off:
+            announce(f"remat_plugin.fsdp: setting use_cache=False on {', '.join(turned_off)} (a training step has no "
+                     "use for the key/value cache, which cannot be captured; remove() sets it back)")
 
     @property
     def in_flight_bytes(self) -> int:
@@ -198,8 +196,7 @@ class FsdpRemat:
             swap.restore()
         for hook in self._hooks:
             hook.remove()
-        for _, config in self._cached_configs:
-            config.use_cache = True
+        self._cache.close()
 
     def kept_bytes(self, key: str, plan: Plan) -> int | None:
         """What ``plan`` keeps from a unit's forward for its backward (rank 0, which planned; None elsewhere)."""

@@ -1,9 +1,10 @@
 """Public entry point: ``rematerialize(module, args, kwargs, budget)`` → a module that fits the budget."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 import torch
@@ -112,18 +113,12 @@ class RematModule(nn.Module):
             _refuse_dynamo()
         if not (self.original.training and torch.is_grad_enabled()):
             return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
-        with cache_off(self.original, kwargs) as off:  # NOTE [training without the cache]
-            self._tell_cache_off(off)
-            call = Call.of(self.original, args, kwargs)
-            budget = functools.partial(self._budget_bytes, call)
+        with self._planned_call(args, kwargs) as (call, budget):
             return self._resolver.run(call, self._resolver.step_for(call, budget), budget)
 
     def prepare(self, args: tuple, kwargs: dict) -> Plan:
         """Plan for these inputs now (capture, profile, solve) without changing any state."""
-        with cache_off(self.original, kwargs) as off:
-            self._tell_cache_off(off)
-            call = Call.of(self.original, args, kwargs)
-            budget = functools.partial(self._budget_bytes, call)
+        with self._planned_call(args, kwargs) as (call, budget):
             step = self._resolver.step_for(call, budget)
             if not step.checked:
                 with suspended_user_modes(), unobserved(self.original, call.device), step.planning_only():  # it plans
@@ -138,12 +133,18 @@ class RematModule(nn.Module):
                 "grad gives its parameters no gradient: make an input require grad, or use use_reentrant=False")
         return plan
 
-    def _tell_cache_off(self, models: list[str]) -> None:
-        if models and not self._told_cache_off and self._resolver.verbose:
-            announce(f"remat_plugin: {', '.join(models)} runs its planned training calls with use_cache=False (a "
-                     "training step has no use for the key/value cache, which cannot be captured; the config is "
-                     "set back after each call)")
-        self._told_cache_off = self._told_cache_off or bool(models)
+    @contextlib.contextmanager
+    def _planned_call(self, args: tuple, kwargs: dict) -> Iterator[tuple[Call, Callable[[], int]]]:
+        """Inside, the original runs without its key/value cache (NOTE [training without the cache]); yields the
+        call's signature and its budget."""
+        with cache_off(self.original, kwargs) as turned_off:
+            if turned_off and not self._told_cache_off and self._resolver.verbose:
+                announce(f"remat_plugin: {', '.join(turned_off)} runs its planned training calls with use_cache=False "
+                         "(a training step has no use for the key/value cache, which cannot be captured; the config "
+                         "is set back after each call)")
+            self._told_cache_off = self._told_cache_off or bool(turned_off)
+            call = Call.of(self.original, args, kwargs)
+            yield call, functools.partial(self._budget_bytes, call)
 
     def _budget_bytes(self, call: Call) -> int:
         return parse_budget(self.budget, call.device)

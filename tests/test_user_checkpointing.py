@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from budgets import assert_same_grads_and_buffers
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -38,8 +39,7 @@ def _same_step(rm, mine: nn.Module, ref: nn.Module, make_inputs, seed: int) -> N
     theirs = theirs if isinstance(theirs, torch.Tensor) else theirs.loss
     theirs.backward()
     assert torch.equal(ours, theirs)
-    for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-        assert torch.equal(p.grad, q.grad), name
+    assert_same_grads_and_buffers(mine, ref, f"step {seed}")
     for got, want in zip([*args, *kwargs.values()], [*ref_args, *ref_kwargs.values()]):
         if isinstance(got, torch.Tensor) and got.requires_grad:
             assert torch.equal(got.grad, want.grad)

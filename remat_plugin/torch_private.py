@@ -270,6 +270,22 @@ def fake_on_storage(mode: Any, storage: torch.UntypedStorage | None, like: torch
         return FakeTensor(mode, meta, like.device)
 
 
+def module_hooks(module: torch.nn.Module, backward: bool) -> list[Callable]:
+    """The forward (pre-)hooks or the backward (pre-)hooks registered on ``module`` itself."""
+    kinds = ("_backward_pre_hooks", "_backward_hooks") if backward else ("_forward_pre_hooks", "_forward_hooks")
+    return [hook for kind in kinds for hook in getattr(module, kind, {}).values()]
+
+
+def global_module_hooks(backward: bool) -> list[Callable]:
+    """The forward (pre-)hooks or the backward (pre-)hooks registered for every module
+    (``torch.nn.modules.module.register_module_forward_hook`` and kin)."""
+    from torch.nn.modules import module as torch_module
+
+    kinds = ("_global_backward_pre_hooks", "_global_backward_hooks") if backward else \
+        ("_global_forward_pre_hooks", "_global_forward_hooks")
+    return [hook for kind in kinds for hook in getattr(torch_module, kind, {}).values()]
+
+
 def profiler_active() -> bool:
     """Whether a ``torch.profiler`` session (the caller's, or one of our meters) is recording on this process."""
     return bool(torch._C._autograd._profiler_enabled())

@@ -214,3 +214,35 @@ def test_session_plan_is_the_plan_of_the_latest_call():
     assert session.plan is not first
     bench.module(x, y).backward()
     assert session.plan is first
+
+
+def test_a_changing_python_argument_is_told_at_its_second_value(caplog):
+    """A Python number in the call is a constant of the traced graph (NOTE [Python values in a call]): a new value
+    captures and plans again, so the caller is told once, at the second value, which argument and the fix.  Each
+    value's step has the original module's gradients."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+
+        def forward(self, x, scale: float, tag: str = "train"):
+            return (self.layers(x) * scale).square().sum()
+
+    model, ref = Scaled().double(), Scaled().double()
+    session = RematSession(model, RematConfig(budget=10**12, ilp_time_limit_s=0.2))
+    model.forward = session.dispatcher(model.forward)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    told = []
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for scale in (1.0, 1.0, 0.5, 0.25, 1.0):
+            for module in (model, ref):
+                module.zero_grad(set_to_none=True)
+                module(x, scale=scale).backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+            told.append([r.getMessage() for r in caplog.records if "Python argument" in r.getMessage()])
+    assert [len(t) for t in told] == [0, 0, 1, 1, 1]  # said once, at the second value; the same tag never
+    message = told[-1][0]
+    assert "kwargs['scale'] (0.5, first 1.0)" in message and "torch.tensor" in message
+    assert session.n_solved == 3  # one plan per value: what the warning is about

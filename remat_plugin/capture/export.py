@@ -22,6 +22,7 @@ from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_t
 from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.layer_splice import NotSpliceable
+from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
@@ -267,6 +268,7 @@ def _warn_traced_whole(model: str, exc: Exception) -> None:
 def _export(module: nn.Module, args: tuple, kwargs: dict,
             options: ExecutionOptions) -> tuple[torch.fx.GraphModule, RepeatedLayers | None]:
     """The exported module, with its repeated layers as opaque ops when they can be (NOTE [layers traced once])."""
+    check_hooks(module)
     layers = RepeatedLayers.of(module) if options.layers_once else None
     if layers is not None:
         try:

@@ -291,6 +291,24 @@ def profile_ops(joint: JointGraph, device: torch.device, progress=None, timings:
             _samples.clear()
 
 
+def scratch_of(joint: JointGraph, names: tuple[str, ...] | list[str], device: torch.device) -> dict[str, int]:
+    """The temporary bytes (NOTE [temporary memory]) of the ops of ``joint`` named ``names``, measured at its sizes.
+
+    For a plan replayed on other shapes or strides: only the ops that had scratch when it was planned are run
+    again, so the simulator's check sees the scratch of these sizes (an op that had none is taken to have none,
+    as in NOTE [op times across shapes]).
+    """
+    nodes = [n for n in joint.ops if n.name in set(names)]
+    if not nodes or device.type == "meta":
+        return {}
+    devices = [device] if device.type == "cuda" else []
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
+        try:
+            return {n.name: b for n, b in zip(nodes, _temp_bytes(nodes, device, joint.real_inputs)) if b}
+        finally:
+            _samples.clear()
+
+
 def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpTimings,
                  real: dict[str, torch.Tensor]) -> OpCosts:
     measured: dict[tuple, tuple[float, int]] = {}

@@ -83,7 +83,7 @@ from remat_plugin.runtime import dist
 from remat_plugin.runtime.calibration import Calibration, metered_step
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.reporting import announce, summary_line
-from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs, describe
+from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs, describe, python_values
 from remat_plugin.runtime.steps import (
     PlanMismatch,
     PlannedStep,
@@ -105,12 +105,39 @@ MANY_SHAPES = 16  # input signatures after which the caller is told each new one
 
 class StepTable(dict[str, PlannedStep]):
     """Steps by exact signature key; tells the caller once when many signatures have each needed a step of their
-    own (NOTE [many shapes])."""
+    own (NOTE [many shapes]), and once per argument when a Python value changed between calls (NOTE [Python values
+    in a call])."""
 
     def __init__(self, model: str):
         super().__init__()
         self.model = model
         self.seen: set[str] = set()  # every key a step was built for, steps dropped or rebuilt since included
+        self.constants: dict[tuple, dict[str, str]] = {}  # the tensors' description -> the Python values met first
+        self.told_constants: set[str] = set()
+
+    def note_constants(self, call: Call) -> None:
+        """NOTE [Python values in a call]
+            Values other than tensors in a call (a Python int or float, a string) are constants of the traced
+            graph and part of the signature, so a call that changes one, its tensors alike, captures and plans
+            again (seconds).  A loop passing a changing number (a token count, a step, a schedule's value) does
+            so at every step; the caller is told at the second value, naming the argument and the fix.
+        """
+        values = python_values(call.args, call.kwargs)
+        if not values:
+            return
+        tensors = (call.signature.layout, tuple(x for x in call.signature.leaves if not isinstance(x, str)),
+                   call.signature.training, call.signature.state)
+        first = self.constants.setdefault(tensors, values)
+        changed = [name for name, value in values.items() if first.get(name) != value and name not in
+                   self.told_constants]
+        if changed:
+            self.told_constants.update(changed)
+            name = changed[0]
+            log.warning(
+                "remat_plugin: %s was called with another value of the Python argument %s (%s, first %s). Values "
+                "other than tensors are constants of the traced graph, so each new one captures and plans the step "
+                "again (seconds). Pass it as a tensor (torch.tensor(...)), or keep it the same in every call",
+                self.model, name, values[name][:60], first.get(name, "absent")[:60])
 
     def __setitem__(self, key: str, step: PlannedStep) -> None:
         if key not in self.seen:
@@ -200,6 +227,7 @@ class StepResolver:
     def step_for(self, call: Call, budget: BudgetFn) -> PlannedStep:
         step = self.known_step(call)
         if step is None:
+            self.steps.note_constants(call)
             step = self.steps[call.key] = self.new_step(call, budget())
         return step
 

@@ -1,7 +1,8 @@
 """Input signatures and shape buckets: which plan serves which call.
 
 A :class:`Signature` is what a plan depends on: the pytree layout of the call, per leaf its
-shape, dtype, device type and ``requires_grad`` (or the repr of a non-tensor), train and grad
+shape, dtype, device type, ``requires_grad`` and, for a tensor not contiguous, its strides (or the repr
+of a non-tensor), train and grad
 mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the
 module's state: the names, shapes and dtypes of its parameters and buffers and
 which parameters require gradients (unfreezing a layer or adding an adapter is a new graph).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
@@ -27,11 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_plugin.capture.module_hooks import hooks_state
 from remat_plugin.torch_private import autocast_state, pytree
 
 BucketPolicy = str | int | None  # "pow2", a multiple such as 64, or None (exact lengths)
 
-TensorLeaf = tuple[tuple[int, ...], str, str, bool]  # shape, dtype, device type, requires_grad
+TensorLeaf = tuple[tuple[int, ...], str, str, bool, tuple[int, ...]]  # shape, dtype, device, requires_grad, strides
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,8 @@ class Signature:
     def of(cls, module: nn.Module, args: tuple, kwargs: dict, state: str | None = None) -> Signature:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         desc: list[TensorLeaf | str] = [
-            (tuple(x.shape), str(x.dtype), x.device.type, bool(x.requires_grad)) if isinstance(x, torch.Tensor)
-            else repr(x)
+            (tuple(x.shape), str(x.dtype), x.device.type, bool(x.requires_grad), _strides(x))
+            if isinstance(x, torch.Tensor) else repr(x)
             for x in leaves
         ]
         if state is None:
@@ -61,7 +63,8 @@ class Signature:
     @property
     def key(self) -> str:
         """A stable string for this signature (JSON)."""
-        leaves = [x if isinstance(x, str) else [list(x[0]), x[1], x[2], x[3]] for x in self.leaves]
+        leaves = [x if isinstance(x, str) else [list(x[0]), x[1], x[2], x[3], *([list(x[4])] if x[4] else [])]
+                  for x in self.leaves]
         return json.dumps([self.layout, leaves, self.training, self.grad_enabled, self.state,
                            [list(a) for a in self.autocast]], separators=(",", ":"))
 
@@ -70,11 +73,16 @@ class Signature:
         layout, leaves, training, grad, *rest = json.loads(key)  # older keys lack the state and autocast
         state = rest[0] if rest else ""
         autocast = tuple(tuple(a) for a in rest[1]) if len(rest) > 1 else ()
-        return cls(layout, tuple(x if isinstance(x, str) else (tuple(x[0]), x[1], x[2], x[3]) for x in leaves),
+        return cls(layout, tuple(x if isinstance(x, str) else (tuple(x[0]), x[1], x[2], x[3], tuple(x[4] if x[4:] else ()))
+                                 for x in leaves),
                    training, grad, state, autocast)  # type: ignore[arg-type]
 
     def covers(self, small: Signature) -> bool:
-        """Whether a plan for ``self`` serves ``small``: same layout, dtypes and modes, no dimension larger."""
+        """Whether a plan for ``self`` serves ``small``: same layout, dtypes and modes, no dimension larger.
+
+        Strides are left out: the step replaying the plan is traced at the call's own strides, and a graph they
+        change is not the plan's graph (:class:`~remat_plugin.runtime.steps.PlanMismatch`, planned anew).
+        """
         if (self.layout, self.training, self.grad_enabled, self.state, self.autocast) != (
                 small.layout, small.training, small.grad_enabled, small.state, small.autocast):
             return False
@@ -85,7 +93,7 @@ class Signature:
                 if b != s:
                     return False
                 continue
-            if b[1:] != s[1:] or len(b[0]) != len(s[0]) or any(x < y for x, y in zip(b[0], s[0])):
+            if b[1:4] != s[1:4] or len(b[0]) != len(s[0]) or any(x < y for x, y in zip(b[0], s[0])):
                 return False
         return True
 
@@ -104,6 +112,21 @@ class Signature:
         return text
 
 
+def python_values(args: tuple, kwargs: dict) -> dict[str, str]:
+    """The call's values other than tensors (and None), by where they sit (``kwargs['num_items_in_batch']``), as
+    the signature records them (their repr)."""
+    flat, _ = pytree.tree_flatten_with_path((args, kwargs))
+    return {("args" if getattr(path[0], "idx", 0) == 0 else "kwargs") + pytree.keystr(path[1:]): repr(x)
+            for path, x in flat if not isinstance(x, torch.Tensor) and x is not None}
+
+
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    """A tensor's strides where they are not the contiguous ones, else ``()``: the traced graph holds views and
+    reshapes made for the strides it saw (a ``reshape`` of a contiguous input is a ``view``, which a transposed or
+    ``channels_last`` input of the same shape refuses), so a call with other strides needs a step of its own."""
+    return () if x.is_contiguous() or x.layout != torch.strided else tuple(x.stride())
+
+
 def describe(key: str) -> str:
     """A signature key for people (see :meth:`Signature.describe`); other text is shortened."""
     try:
@@ -115,8 +138,9 @@ def describe(key: str) -> str:
 def module_state(module: nn.Module) -> tuple[str, tuple[int, ...]]:
     """The module's parameters and buffers: a fingerprint of what the graph depends on, and their identities.
 
-    The fingerprint covers names, shapes, dtypes and ``requires_grad``; the identities tell a
-    replaced tensor of the same kind apart (see the module docstring).
+    The fingerprint covers names, shapes, dtypes and ``requires_grad``, and the module hooks
+    (NOTE [module hooks]); the identities tell a replaced tensor of the same kind apart (see the
+    module docstring).
     """
     parts: list[str] = []
     ids: list[int] = []
@@ -124,6 +148,9 @@ def module_state(module: nn.Module) -> tuple[str, tuple[int, ...]]:
         for name, t in named:
             parts.append(f"{kind}:{name}:{tuple(t.shape)}:{t.dtype}:{int(t.requires_grad)}")
             ids.append(id(t))
+    hooks = hooks_state(module)
+    if hooks:  # models without hooks keep the fingerprint they had before hooks counted (plans on disk)
+        parts.append(f"h:{hooks}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:12], tuple(ids)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from remat_plugin.capture.estimated_costs import estimate_costs
 from remat_plugin.capture.export import EAGER, ExecutionOptions, build_step
 from remat_plugin.capture.joint import JointGraph
-from remat_plugin.capture.measured_costs import OpTimings, profile_ops
+from remat_plugin.capture.measured_costs import OpTimings, profile_ops, scratch_of
 from remat_plugin.capture.output_usage import OutputUsage
 from remat_plugin.capture.programs import emit_programs
 from remat_plugin.capture.repeated_layers import find_layer_chain
@@ -128,6 +128,11 @@ def measured_problem(joint: JointGraph, device: torch.device, progress=None,
     return problem, joint.constant_ops()
 
 
+def _scratch_ops(joint: JointGraph, problem: Problem) -> tuple[str, ...]:
+    """The ops planned with kernel scratch (their temporary bytes beyond the outputs nothing reads)."""
+    return tuple(op.name for op in problem.ops if op.temp_bytes > joint.unread_output_bytes.get(op.name, 0))
+
+
 def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,
               caches: PlanningCaches, progress=None, find_floor: bool = True,
               on_plan: Callable[[PlannedStep], None] | None = None,
@@ -166,7 +171,7 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
         step.plan = dataclasses.replace(plan, planning_s=time.perf_counter() - t0, signature=call.key,
                                         graph_key=joint.structure_key, dropped_outputs=tuple(sorted(dropped_outputs)),
                                         ungraded_outputs=tuple(sorted(ungraded_outputs)),
-                                        planning_stages=stages)
+                                        planning_stages=stages, scratch_ops=_scratch_ops(joint, problem))
         step.problem, step.checked = problem, True
         if on_plan is not None:
             on_plan(step)
@@ -234,7 +239,8 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
         key = joint.structure_key
         if key != plan.graph_key:
             raise PlanMismatch(f"graph {key} is not the plan's graph {plan.graph_key}")
-        problem = joint.to_problem({}, {})  # sizes decide the fit; times are the plan's
+        # sizes decide the fit, with the scratch of the ops that had some; times are the plan's
+        problem = joint.to_problem({}, scratch_of(joint, plan.scratch_ops, call.device))
         try:
             sim = simulate(problem, Schedule(plan.schedule))
         except InvalidScheduleError as exc:

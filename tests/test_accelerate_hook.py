@@ -169,3 +169,28 @@ def test_hf_gradient_checkpointing_is_turned_off_and_checkpoint_wrappers_keep_re
         prepared = remat_accelerate.prepare(Accelerator(cpu=True), wrapped, budget="1GB")
     assert "CheckpointWrapper" in caplog.text and find_hook(prepared) is None
 
+
+
+def test_bf16_mixed_precision_leaves_autocast_as_it_found_it(caplog):
+    """Accelerate's mixed-precision forward is one ``torch.autocast`` object entered on every call; capture calling
+    the module again through it (nested) left autocast on for the rest of the process, so the backward and the
+    optimizer ran under it (NOTE in ``runtime/dispatch.py``).  Now autocast is off after every call, no backward
+    is seen inside the block, and gradients are bitwise those of plain Accelerate under bf16 (float32 weights)."""
+    plain, ours = tiny_gpt2().float(), tiny_gpt2().float()
+    budget = _forced_budget(plain)
+    plain_model = Accelerator(cpu=True, mixed_precision="bf16").prepare(plain)
+    model = remat_accelerate.prepare(Accelerator(cpu=True, mixed_precision="bf16"), ours, budget=budget,
+                                     ilp_time_limit_s=ILP_S, verbose=False)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for step in range(3):
+            for m, params in ((plain_model, plain), (model, ours)):
+                params.zero_grad(set_to_none=True)
+                torch.manual_seed(step)
+                loss = m(input_ids=token_ids(step), labels=token_ids(step)).loss
+                assert not torch.is_autocast_enabled("cpu")
+                loss.backward()
+            for (name, p), q in zip(plain.named_parameters(), ours.parameters()):
+                assert torch.equal(p.grad, q.grad), (step, name)
+    assert "torch.autocast block" not in caplog.text
+    plan = find_hook(model).session.plan
+    assert plan is not None and any(b.mode != "keep" for b in plan.blocks)

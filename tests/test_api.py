@@ -191,6 +191,48 @@ def test_attributes_it_lacks_are_the_originals():
         rm.no_such_attribute  # noqa: B018
 
 
+def test_without_example_inputs_it_plans_at_the_first_training_call():
+    """``rematerialize(model, budget=...)`` plans nothing yet (it used to capture a call with no inputs, which fell
+    back to per-layer checkpointing); the first training call plans inside itself.  A malformed budget is said at
+    once.  ``inspect.signature(rm.forward)`` is the model's, which tools read to decide what to pass (transformers'
+    ``Trainer`` keeps only the dataset columns a forward names)."""
+    import inspect
+
+    from remat_plugin.errors import BudgetFormatError
+
+    a, b = _pair("gpt2-tiny")
+    args, kwargs = a.make_batch(0)
+    rm = rematerialize(a.module, budget=10**10, verbose=False)
+    assert rm.plan is None and not rm.steps
+    assert inspect.signature(rm.forward) == inspect.signature(a.module.forward)
+    for module in (rm, b.module):
+        torch.manual_seed(0)
+        module(*args, **kwargs).loss.backward()
+    assert rm.plan is not None and not rm.plan.fallback and len(rm.steps) == 1
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.module.parameters(), b.module.parameters()))
+    with pytest.raises(BudgetFormatError, match="80%"):
+        rematerialize(b.module, budget="eighty percent")
+
+
+def test_outputs_can_be_changed_in_place_as_eager_allows():
+    """``loss *= scale`` (transformers' ``Trainer`` scales the loss so) and an in-place op on the logits: eager
+    allows both on a model's outputs; ours used to refuse them (views of a multi-output Function).  Gradients
+    bitwise eager's."""
+    a, b = _pair("gpt2-tiny")
+    args, kwargs = a.make_batch(0)
+    rm = rematerialize(a.module, args, kwargs, budget=10**10, verbose=False)
+    for module in (rm, b.module):
+        for _ in range(2):  # the second call runs the plan made for the outputs the first dropped or held
+            module.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            out = module(*args, **kwargs)
+            loss = out.loss
+            loss *= 0.5
+            out.logits.mul_(2.0)
+            (loss + out.logits.float().square().mean()).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.module.parameters(), b.module.parameters()))
+
+
 def test_copies_and_pickles_are_fresh_modules_that_plan_again():
     """``copy.deepcopy(rm)`` and a pickle round trip give a module over a copy of the original, with the same budget
     and options, which plans at its first training call and steps like the original (a deep copy of the planned

@@ -43,6 +43,7 @@ def test_buckets_round_token_lengths_only_and_cover_smaller_calls():
     assert not big.covers(Signature.of(module, (torch.ones(16, 64, dtype=torch.long),), {}))  # larger batch
     assert not big.covers(Signature.of(module, (torch.ones(8, 128, dtype=torch.int32),), {}))  # other dtype
     assert describe(big.key) == "8x128 int64"
+    assert Signature.of(module, (ids,), {"n": torch.tensor(3.0)}).describe() == "4x100 int64, scalar float32"
 
 
 def test_eval_and_no_grad_calls_never_plan():

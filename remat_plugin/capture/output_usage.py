@@ -116,7 +116,10 @@ class _WatchedOutputs(torch.autograd.Function):
     def forward(ctx, watch: _OutputWatch, *outputs: torch.Tensor):  # type: ignore[override]
         ctx.watch = watch
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: that is what we learn
-        return tuple(t.view_as(t) for t in outputs)
+        # Aliases, not views: autograd refuses in-place ops on the views a multi-output Function returns, and callers
+        # scale the loss in place (transformers' Trainer: ``loss *= loss_scale``).  detach() shares the version
+        # counter, so an in-place op on an output that the planned backward saved is still refused.
+        return tuple(t.detach() for t in outputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]

@@ -19,6 +19,29 @@ class _Recorded(Exception):
         self.args, self.kwargs = args, kwargs
 
 
+@contextlib.contextmanager
+def _calls_reach(module: nn.Module, real_forward: Callable) -> Iterator[None]:
+    """Inside, ``module(...)`` calls ``real_forward`` directly, not what wraps ours in ``module.forward``.
+
+    Capture and the fallback call the module again from inside a planned call.  Through ``module.forward`` that
+    call would enter the wrappers around ours a second time, nested: Accelerate's mixed-precision forward is one
+    ``torch.autocast`` object entered on every call, which remembers the state to restore on the object itself, so
+    the nested entry made the outer exit leave autocast on for the rest of the process (every later op, the
+    backward and the optimizer step included).  The autocast state the capture traces under is the one the outer
+    wrappers set, and their output conversion applies to what the planned call returns.
+    """
+    had = "forward" in module.__dict__
+    installed = module.__dict__.get("forward")
+    module.__dict__["forward"] = real_forward
+    try:
+        yield
+    finally:
+        if had:
+            module.__dict__["forward"] = installed
+        else:
+            del module.__dict__["forward"]
+
+
 class Dispatcher:
     """Sends training calls with gradients of ``module`` to ``planned(args, kwargs)``.
 
@@ -42,7 +65,8 @@ class Dispatcher:
                 raise _Recorded(args, kwargs)
             self._busy = True  # capture and the fallback call the module again: those run the original
             try:
-                return self.planned(args, kwargs)
+                with _calls_reach(self.module, real_forward):
+                    return self.planned(args, kwargs)
             finally:
                 self._busy = False
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -62,6 +63,8 @@ class RematModule(nn.Module):
         self._told_cache_off = False
         self._options = {"verbose": verbose, "compile": compile, "backward_segments": backward_segments,
                          "trace_layers_once": trace_layers_once}
+        self.forward = _with_signature_of(  # type: ignore[method-assign]
+            original.forward, functools.partial(RematModule.forward, self))
 
     def __reduce_ex__(self, protocol):
         """A copy or an unpickled module is the original's copy under the same budget and options, planned again
@@ -166,6 +169,17 @@ class RematModule(nn.Module):
         return MappingProxyType(self._resolver.steps)
 
 
+def _with_signature_of(original: Callable, forward: functools.partial) -> functools.partial:
+    """``forward`` reporting ``original``'s signature to ``inspect.signature``: tools read it to decide what to pass
+    (transformers' ``Trainer`` keeps only the dataset columns the model's forward names, and passes
+    ``num_items_in_batch`` only to a forward that takes ``**kwargs``)."""
+    try:
+        forward.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a builtin without one: ours, (*args, **kwargs), stands
+        pass
+    return forward
+
+
 @torch.compiler.disable
 def _refuse_dynamo() -> None:
     """Raised from outside dynamo (it cannot inline a disabled function), so the caller sees this error; a raise in
@@ -195,6 +209,9 @@ def rematerialize(
 ) -> RematModule:
     """Plan ``module`` for these example inputs under ``budget`` and return the rewritten module.
 
+    Without example inputs (``rematerialize(model, budget="80%")``) nothing is planned yet: each input signature is
+    planned by its first training call, inside that call.
+
     ``budget`` is bytes, a size (``"300MiB"``) or a share of free device memory (``"80%"``):
     the most allocated memory may rise during one forward+backward above what is
     allocated at step start.  Raises :class:`~remat_plugin.errors.InfeasibleBudgetError`
@@ -211,5 +228,13 @@ def rematerialize(
     """
     rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose, compile=compile,
                      backward_segments=backward_segments, trace_layers_once=trace_layers_once)
-    rm.prepare(tuple(args), dict(kwargs or {}))
+    if args or kwargs:
+        rm.prepare(tuple(args), dict(kwargs or {}))
+    else:
+        parse_budget(budget, _device_of(module))  # a malformed budget is said now, not at the first step
     return rm
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")

@@ -104,7 +104,7 @@ class Signature:
 
     def describe(self) -> str:
         """For people: the tensor inputs' shapes and dtypes (``8x128 int64, 8x128 int64``)."""
-        parts = ["x".join(map(str, x[0])) + " " + x[1].removeprefix("torch.") for x in self.leaves
+        parts = [("x".join(map(str, x[0])) or "scalar") + " " + x[1].removeprefix("torch.") for x in self.leaves
                  if not isinstance(x, str)]
         text = ", ".join(parts) or "no tensors"
         for device, dtype, _ in self.autocast:

@@ -13,8 +13,9 @@ without the hook; the plans travel next to them as ``remat_plans.json``.
 
 The hook goes on after ``accelerator.prepare``, so it wraps whatever forward Accelerate put in
 place and removing it gives exactly that back.  Planning captures the module with
-``torch.export``, which calls it once more through all its hooks: another hook's
-``pre_forward``/``post_forward`` runs one extra time per new plan, on fake tensors.
+``torch.export``, which calls it once more; that call reaches the real forward directly, not the hooks
+and wrappers around ours (the arguments it traces are those the hooks' ``pre_forward`` already gave the
+planned call; see ``runtime/dispatch.py``).
 
 Options come from arguments, a :class:`RematPlugin`, or the environment (``REMAT_BUDGET``,
 ``REMAT_SEQ_BUCKET``, ``REMAT_CACHE_DIR``, ``REMAT_ILP_TIME_LIMIT_S``, ``REMAT_AUTO_BATCH_SIZE``,

@@ -79,7 +79,8 @@ def test_removing_the_hook_restores_forward_and_keeps_state_dict_keys():
     hook = find_hook(prepared)
     assert hook is not None and hook.attached
     _step(prepared, token_ids(0), seed=0)
-    calls = first.calls  # planning's capture (torch.export) calls the module through the hooks once more
+    calls = first.calls
+    assert calls == last.calls == 1  # planning's capture calls the real forward, not the hooks around ours again
     # the loss was kept, the logits dropped: planned again, tracing the first capture's export (no second export)
     _step(prepared, token_ids(0), seed=0)
     assert hook.session is not None and hook.session.n_solved == 1 and hook.session.resolver.n_refined == 1

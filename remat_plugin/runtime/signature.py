@@ -1,11 +1,12 @@
 """Input signatures and shape buckets: which plan serves which call.
 
-A :class:`Signature` is what a plan depends on: the pytree layout of the call, per leaf its
-shape, dtype, device type, ``requires_grad`` and, for a tensor not contiguous, its strides (or the repr
-of a non-tensor), train and grad
+A :class:`Signature` is what a plan depends on: the pytree layout of the call, per tensor leaf its
+shape, dtype, device type, ``requires_grad`` and, where it is not contiguous, its strides (per other
+leaf its repr: NOTE [Python values in a call] in :mod:`remat_plugin.runtime.resolver`), train and grad
 mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the
-module's state: the names, shapes and dtypes of its parameters and buffers and
-which parameters require gradients (unfreezing a layer or adding an adapter is a new graph).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
+module's state: the names, shapes and dtypes of its parameters and buffers,
+which parameters require gradients (unfreezing a layer or adding an adapter is a new graph), and its
+module hooks (NOTE [module hooks] in :mod:`remat_plugin.capture.module_hooks`).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
 
 Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean inputs: token
 ids, masks, labels) rounds up, by default to a power of two.  The batch dimension is not

@@ -36,6 +36,8 @@ def _launch(tmp: Path, name: str, command: list[str], env_extra: dict[str, str] 
     proc = subprocess.run([*command, str(EXAMPLE), *args, "--json", str(out)], cwd=ROOT, env=env, check=False,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # a rank replaying rank 0's plan is first run under our meter's profiler: its scratch is the plan's, unsaid
+    assert "profiler session is recording" not in proc.stderr, proc.stderr[-4000:]
     results = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
     results[0]["stdout"] = proc.stdout
     return results

@@ -291,16 +291,20 @@ def profile_ops(joint: JointGraph, device: torch.device, progress=None, timings:
             _samples.clear()
 
 
-def scratch_of(joint: JointGraph, names: tuple[str, ...] | list[str], device: torch.device) -> dict[str, int]:
-    """The temporary bytes (NOTE [temporary memory]) of the ops of ``joint`` named ``names``, measured at its sizes.
+def scratch_of(joint: JointGraph, planned: dict[str, int], device: torch.device) -> dict[str, int]:
+    """The temporary bytes (NOTE [temporary memory]) at ``joint``'s sizes of the ops ``planned`` names, which had
+    that much scratch when a plan was made.
 
-    For a plan replayed on other shapes or strides: only the ops that had scratch when it was planned are run
-    again, so the simulator's check sees the scratch of these sizes (an op that had none is taken to have none,
-    as in NOTE [op times across shapes]).
+    For a plan replayed on other shapes or strides: only those ops are run again, so the simulator's check sees the
+    scratch of these sizes (an op that had none is taken to have none, as in NOTE [op times across shapes]).  While
+    a profiler records (our meter runs a rank's first replayed step before its caller does), scratch cannot be
+    read: the planned bytes stand, which are exact where the shapes are the plan's (every rank replaying rank 0's).
     """
-    nodes = [n for n in joint.ops if n.name in set(names)]
+    nodes = [n for n in joint.ops if n.name in planned]
     if not nodes or device.type == "meta":
         return {}
+    if profiler_active():
+        return {n.name: planned[n.name] for n in nodes}
     devices = [device] if device.type == "cuda" else []
     with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
         try:

@@ -63,9 +63,9 @@ class Plan:
     # Where planning's time went, in order: (stage, seconds); capture stages come from the runtime,
     # "block menus" and "budget search" from the planner.  Empty for replayed and fallback plans.
     planning_stages: tuple[tuple[str, float], ...] = ()
-    # Ops that had kernel scratch when planned (NOTE [temporary memory]): measured again where the plan is replayed
-    # on other shapes, so the simulator's check there includes their scratch.
-    scratch_ops: tuple[str, ...] = ()
+    # (op, bytes) of the ops that had kernel scratch when planned (NOTE [temporary memory]): measured again where the
+    # plan is replayed on other shapes, so the simulator's check there includes their scratch.
+    scratch_ops: tuple[tuple[str, int], ...] = ()
 
     @property
     def predicted_overhead(self) -> float:
@@ -82,8 +82,9 @@ class Plan:
             raise ValueError(f"remat_plugin: plan schema {data.get('schema_version')} is not {PLAN_SCHEMA_VERSION}")
         data["blocks"] = tuple(BlockChoice(**b) for b in data["blocks"])
         for name in ("schedule", "timeline_bytes", "baseline_timeline_bytes", "notes", "dropped_outputs",
-                     "ungraded_outputs", "loss_only_floors", "scratch_ops"):
+                     "ungraded_outputs", "loss_only_floors"):
             data[name] = tuple(data.get(name, ()))
+        data["scratch_ops"] = tuple((str(n), int(b)) for n, b in data.get("scratch_ops", ()))
         data["planning_stages"] = tuple((str(n), float(s)) for n, s in data.get("planning_stages", ()))
         return Plan(**data)
 

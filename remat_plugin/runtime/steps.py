@@ -128,9 +128,10 @@ def measured_problem(joint: JointGraph, device: torch.device, progress=None,
     return problem, joint.constant_ops()
 
 
-def _scratch_ops(joint: JointGraph, problem: Problem) -> tuple[str, ...]:
-    """The ops planned with kernel scratch (their temporary bytes beyond the outputs nothing reads)."""
-    return tuple(op.name for op in problem.ops if op.temp_bytes > joint.unread_output_bytes.get(op.name, 0))
+def _scratch_ops(joint: JointGraph, problem: Problem) -> tuple[tuple[str, int], ...]:
+    """The ops planned with kernel scratch, with its bytes (their temporary bytes beyond the outputs nothing reads)."""
+    return tuple((op.name, op.temp_bytes - joint.unread_output_bytes.get(op.name, 0)) for op in problem.ops
+                 if op.temp_bytes > joint.unread_output_bytes.get(op.name, 0))
 
 
 def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limit_s: float,
@@ -240,7 +241,7 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
         if key != plan.graph_key:
             raise PlanMismatch(f"graph {key} is not the plan's graph {plan.graph_key}")
         # sizes decide the fit, with the scratch of the ops that had some; times are the plan's
-        problem = joint.to_problem({}, scratch_of(joint, plan.scratch_ops, call.device))
+        problem = joint.to_problem({}, scratch_of(joint, dict(plan.scratch_ops), call.device))
         try:
             sim = simulate(problem, Schedule(plan.schedule))
         except InvalidScheduleError as exc:

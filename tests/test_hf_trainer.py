@@ -1,5 +1,11 @@
 """transformers' Trainer with ``RematCallback``: a real ``Trainer.train`` against the one without it."""
+import json
 import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trai
 from remat_plugin.errors import RematError
 from remat_plugin.integrations.accelerate import find_hook
 from remat_plugin.integrations.hf_trainer import RematCallback
+from remat_plugin.ir.plan import Plan
 
 CONFIG = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=500, n_positions=128, bos_token_id=0, eos_token_id=0)
 
@@ -95,3 +102,37 @@ def test_bf16_trainer_is_bitwise_the_run_without_it(tmp_path, caplog):
     assert losses == [h["loss"] for h in plain_trainer.state.log_history if "loss" in h]
     for (name, p), q in zip(model.state_dict().items(), plain.state_dict().values()):
         assert torch.equal(p, q), name
+
+
+def _launch(tmp_path, name: str, env_extra: dict[str, str]) -> list[dict]:
+    """Both ranks' results of ``tests/launch_scripts/hf_trainer_ddp.py`` under ``accelerate launch``."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("REMAT_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf_home"), **env_extra)
+    out = tmp_path / name
+    out.mkdir()
+    with socket.socket() as s:  # a port of its own: other files' launches may run beside it (pytest-xdist)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--main_process_port", str(port),
+               str(root / "tests" / "launch_scripts" / "hf_trainer_ddp.py"), str(out)]
+    proc = subprocess.run(command, cwd=root, env=env, check=False, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "profiler session is recording" not in proc.stderr and "torch.autocast block" not in proc.stderr
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_trainer_under_ddp_two_processes(tmp_path):
+    """accelerate launch, 2 CPU processes (DDP over gloo), REMAT_BUDGET and a RematCallback without a budget: rank 0
+    plans, rank 1 runs the same plan, and the losses and weights are bitwise those of the run without it."""
+    plain = _launch(tmp_path, "plain", {})
+    ours = _launch(tmp_path, "ours", {"REMAT_BUDGET": "12MiB"})
+    assert [r["distributed_type"] for r in ours] == ["DistributedType.MULTI_CPU"] * 2
+    assert [r["n_solved"] for r in ours] == [1, 0]  # rank 0 plans, rank 1 receives
+    assert ours[0]["plans"] == ours[1]["plans"]
+    plans = [Plan.from_json(p) for p in ours[0]["plans"]]
+    assert plans and all(p.fallback is None and any(b.mode != "keep" for b in p.blocks) for p in plans)
+    for mine, theirs in zip(ours, plain):
+        assert mine["losses"] == theirs["losses"] and len(mine["losses"]) == 3
+        assert mine["weights"] == theirs["weights"]

@@ -282,6 +282,28 @@ def test_uncapturable_model_names_the_line():
         rematerialize(_DataDependent(), (torch.randn(4, 8),), budget=10**9)
 
 
+class _ChecksItsLabels(nn.Module):
+    """Reads the values of a tensor argument in Python, as transformers' CTC models do with ``labels``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 5)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        if labels is not None and labels.max() >= logits.shape[-1]:
+            raise ValueError("label out of range")
+        return logits if labels is None else nn.functional.cross_entropy(logits, labels)
+
+
+def test_a_line_reading_an_argument_s_values_is_named_with_the_fix():
+    """The error names the argument whose values the failing line reads, and the fix; without it the model plans."""
+    x, labels = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(CaptureError, match=r"reads the values of 'labels'.*without labels=\.\.\."):
+        rematerialize(_ChecksItsLabels(), (x,), {"labels": labels}, budget=10**9)
+    assert rematerialize(_ChecksItsLabels(), (x,), budget=10**9, verbose=False).plan is not None
+
+
 class _BranchyLayers(nn.Module):
     """Data-dependent control flow at the top, a ModuleList of BatchNorm+dropout layers inside."""
 

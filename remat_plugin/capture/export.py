@@ -7,7 +7,9 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 """
 from __future__ import annotations
 
+import linecache
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,13 +60,21 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.
             frames.append(tb.tb_frame)
             tb = tb.tb_next
         user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename]
+        line = ""
         if user:
             f = user[-1]
             where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
+            line = linecache.getline(f.f_code.co_filename, f.f_lineno)
         hint = ""
         if "cache_utils" in first or "Cache'> in output" in first:
             hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
                     "for it; call the model with use_cache=False)")
+        elif "data-dependent" in first or "DataDependent" in type(exc).__name__:
+            read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
+                    and re.search(rf"\b{re.escape(name)}\b", line)]
+            if read:
+                hint = (f" (that line reads the values of {read[0]!r}, which a traced graph cannot depend on: call the "
+                        f"model without {read[0]}=... and compute what needs it, such as the loss, from its outputs)")
         raise CaptureError(
             f"remat_plugin.capture: torch.export could not capture {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {first}{hint}"

@@ -137,6 +137,7 @@ class AutoRemat(pl.Callback):
         self.fsdp: FsdpRemat | None = None  # under ModelParallelStrategy
         self._stored_state: dict[str, Any] | None = None
         self._unlogged: list[Plan] = []
+        self._checked_use = False  # whether the first training step was seen to reach the rewritten module
         self._info: Callable[[str], Any] = rank_zero_info if verbose else _quiet
 
     @property
@@ -154,6 +155,10 @@ class AutoRemat(pl.Callback):
             # Its trial steps (in its on_fit_start, which Lightning runs before ours) would each
             # plan a batch size that is then thrown away: they run the unmodified model instead.
             self._info("AutoRemat: BatchSizeFinder's trial steps run without remat; AutoRemat starts after them")
+            return
+        if next(pl_module.parameters(), None) is None:
+            # configure_model builds the model after the callbacks' setup: rewriting now would pick the empty
+            # LightningModule, whose forward training_step never calls (remat silently off)
             return
         self._install(trainer, pl_module)
 
@@ -281,6 +286,13 @@ class AutoRemat(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.session is not None and not self._checked_use:
+            self._checked_use = True
+            if self.session.resolver.latest is None and not self.session.plans:
+                rank_zero_warn(
+                    f"AutoRemat: the first training step never called {type(self.session.module).__name__}'s "
+                    "forward, the module AutoRemat rewrote, so it ran without remat. Pass module='...' naming the "
+                    "submodule training_step calls (for example AutoRemat(module='model'))")
         while self._unlogged:
             plan = self._unlogged.pop(0)
             recomputed = sum(b.mode != "keep" for b in plan.blocks)

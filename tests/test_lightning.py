@@ -159,6 +159,70 @@ def test_module_none_picks_what_training_step_runs():
     assert pick_target(CallsSelf(**vars(options.model)), None)[0] == ""
 
 
+class _BuiltInConfigureModel(pl.LightningModule):
+    """Builds its GPT-2 in ``configure_model`` (after the callbacks' setup), as Lightning advises for big models."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = None
+
+    def configure_model(self):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        if self.model is None:
+            torch.manual_seed(0)
+            config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=64, use_cache=False,
+                                bos_token_id=0, eos_token_id=0)
+            self.model = GPT2LMHeadModel(config).double()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _fit_built_in_configure_model(callbacks) -> tuple[list[float], pl.LightningModule]:
+    data = torch.utils.data.DataLoader(
+        [torch.randint(0, 500, (64,), generator=torch.Generator().manual_seed(i)) for i in range(12)], batch_size=4)
+    losses: list[float] = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    module = _BuiltInConfigureModel()
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", precision="64-true", callbacks=[*callbacks, Losses()],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    torch.manual_seed(1)
+    trainer.fit(module, data)
+    return losses, module
+
+
+def test_a_model_built_in_configure_model_is_rewritten_once_it_exists():
+    """At the callbacks' setup the LightningModule has no parameters yet: AutoRemat used to rewrite it, whose forward
+    training_step never calls, so training ran without remat, silently.  It now rewrites ``self.model`` when fit
+    starts: one plan, recomputing, and the losses of the run without it, bitwise."""
+    plain, _ = _fit_built_in_configure_model([])
+    auto = AutoRemat(budget="6MiB", ilp_time_limit_s=0.2, verbose=False)
+    ours, module = _fit_built_in_configure_model([auto])
+    assert auto.session is not None and auto.session.module is module.model and auto.session.n_solved >= 1
+    assert any(b.mode != "keep" for p in auto.session.plans.values() for b in p.blocks)
+    assert ours == plain and len(ours) == 3
+
+
+def test_a_rewritten_module_the_training_step_never_calls_is_said():
+    """``module=""`` rewrites the LightningModule's own forward, which this training_step never calls: the first
+    step says so, naming the fix, instead of training without remat silently."""
+    auto = AutoRemat(budget="6MiB", module="", ilp_time_limit_s=0.2, verbose=False)
+    with pytest.warns(UserWarning, match=r"never called .*module='model'"):
+        _fit_built_in_configure_model([auto])
+    assert auto.session is not None and not auto.session.plans
+
+
 def test_hf_gradient_checkpointing_is_turned_off_with_a_warning():
     """Ours and HF's per-layer checkpointing would both recompute: HF's is switched off, and the user told."""
     options = _options("data.seq_lens=[64]", "data.batches_per_len=1", "trainer.max_steps=1")

@@ -26,7 +26,11 @@ NOTE [op times across shapes]
     about as close as two measurements of the same shape are to each other.  Scratch is measured
     again for each op that had some at the shape measured (it grows with the op); an op that had
     none is taken to have none, and the metered first step (NOTE [calibration]) corrects a plan
-    where that is wrong.
+    where that is wrong.  Carried costs are kept by op signature too, so another graph at the same
+    sizes (the re-plan for outputs the caller drops) takes the same numbers and its plan is judged
+    like the first; only measurements are carried on to further shapes.  Under a profiler (a re-plan
+    inside the caller's ``torch.profiler``) scratch cannot be read, and a carried op keeps the
+    scratch of the shape measured.
 """
 from __future__ import annotations
 
@@ -250,6 +254,10 @@ class OpTimings:
         self.max_entries = max_entries
         self._ms: OrderedDict[tuple, tuple[float, int]] = OrderedDict()
         self._by_place: OrderedDict[tuple[str, str], tuple[fx.Node, float, int]] = OrderedDict()
+        # Costs carried to these sizes from another shape (NOTE [op times across shapes]), by op signature: another
+        # graph of the same shapes (a re-plan for the outputs the caller drops) takes the same numbers, not another
+        # carry from another measurement, so its plan and the first are judged alike.
+        self._carried: OrderedDict[tuple, tuple[float, int]] = OrderedDict()
 
     def get(self, sig: tuple) -> tuple[float, int] | None:
         """``(time_ms, temp_bytes)`` measured for ``sig``, or None."""
@@ -259,6 +267,15 @@ class OpTimings:
         self._ms[sig] = (ms, temp_bytes)
         while len(self._ms) > self.max_entries:
             self._ms.popitem(last=False)
+
+    def carried(self, sig: tuple) -> tuple[float, int] | None:
+        """``(time_ms, temp_bytes)`` carried to ``sig``'s sizes by an earlier capture, or None."""
+        return self._carried.get(sig)
+
+    def put_carried(self, sig: tuple, ms: float, temp_bytes: int) -> None:
+        self._carried[sig] = (ms, temp_bytes)
+        while len(self._carried) > self.max_entries:
+            self._carried.popitem(last=False)
 
     def measured_in_graph(self, graph: str, node: fx.Node) -> tuple[fx.Node, float, int] | None:
         """The node at ``node``'s place in graph ``graph`` (a :attr:`JointGraph.structure_key`) when it was
@@ -318,10 +335,13 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     measured: dict[tuple, tuple[float, int]] = {}
     new: dict[tuple, fx.Node] = {}  # timed here
     carried: dict[tuple, fx.Node] = {}  # scaled from the same graph at another shape (NOTE [op times across shapes])
+    carried_before: set[tuple] = set()  # carried to these sizes by an earlier capture: taken as they were
     graph = joint.structure_key
     sigs = [op_signature(node) for node in joint.ops]
     for i, (node, sig) in enumerate(zip(joint.ops, sigs)):
         found = measured.get(sig) or timings.get(sig)
+        if found is None and (found := timings.carried(sig)) is not None:
+            carried_before.add(sig)
         if found is None:
             before = timings.measured_in_graph(graph, node)
             if before is not None:
@@ -333,18 +353,21 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
         measured[sig] = found
         if progress is not None:
             progress(i + 1, len(joint.ops))
-    with_scratch = [*new, *(sig for sig in carried if measured[sig][1] > 0)]
+    # Under a profiler scratch cannot be read (_temp_bytes): a carried op keeps the scratch of the shape measured
+    with_scratch = [*new, *(sig for sig in carried if measured[sig][1] > 0 and not profiler_active())]
     if with_scratch:
         nodes = {**new, **carried}
         for sig, scratch in zip(with_scratch, _temp_bytes([nodes[s] for s in with_scratch], device, real)):
             measured[sig] = (measured[sig][0], scratch)
     for sig in new:
         timings.put(sig, *measured[sig])
+    for sig in carried:
+        timings.put_carried(sig, *measured[sig])
     time_ms: dict[str, float] = {}
     temp: dict[str, int] = {}
     for node, sig in zip(joint.ops, sigs):
         time_ms[node.name], temp[node.name] = measured[sig]
-        if sig not in carried:
+        if sig not in carried and sig not in carried_before:  # only measurements are carried on, never carries
             timings.put_in_graph(graph, node, *measured[sig])
     if carried:
         log.debug("profile: %d of %d distinct ops timed, %d carried from another shape of this graph",

@@ -148,6 +148,7 @@ def watched(outputs: tuple, record: Callable[[OutputUsage], None], backward_auto
     out = list(outputs)
     for i, t in zip(index, wrapped):
         out[i] = t
+        watch.refs[i] = weakref.ref(t)  # what the caller holds: an alias, which does not keep ``outputs[i]`` alive
     return tuple(out)
 
 

@@ -264,18 +264,20 @@ class OpTimings:
         return self._ms.get(sig)
 
     def put(self, sig: tuple, ms: float, temp_bytes: int) -> None:
-        self._ms[sig] = (ms, temp_bytes)
-        while len(self._ms) > self.max_entries:
-            self._ms.popitem(last=False)
+        self._bounded(self._ms, sig, (ms, temp_bytes))
 
     def carried(self, sig: tuple) -> tuple[float, int] | None:
         """``(time_ms, temp_bytes)`` carried to ``sig``'s sizes by an earlier capture, or None."""
         return self._carried.get(sig)
 
     def put_carried(self, sig: tuple, ms: float, temp_bytes: int) -> None:
-        self._carried[sig] = (ms, temp_bytes)
-        while len(self._carried) > self.max_entries:
-            self._carried.popitem(last=False)
+        self._bounded(self._carried, sig, (ms, temp_bytes))
+
+    def _bounded(self, table: OrderedDict, key: tuple, value: tuple) -> None:
+        """Add ``key`` to ``table``; the oldest entries go beyond ``max_entries``."""
+        table[key] = value
+        while len(table) > self.max_entries:
+            table.popitem(last=False)
 
     def measured_in_graph(self, graph: str, node: fx.Node) -> tuple[fx.Node, float, int] | None:
         """The node at ``node``'s place in graph ``graph`` (a :attr:`JointGraph.structure_key`) when it was
@@ -283,9 +285,7 @@ class OpTimings:
         return self._by_place.get((graph, node.name))
 
     def put_in_graph(self, graph: str, node: fx.Node, ms: float, temp_bytes: int) -> None:
-        self._by_place[(graph, node.name)] = (node, ms, temp_bytes)
-        while len(self._by_place) > self.max_entries:
-            self._by_place.popitem(last=False)
+        self._bounded(self._by_place, (graph, node.name), (node, ms, temp_bytes))
 
     def __len__(self) -> int:
         return len(self._ms)

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from remat_plugin.runtime.dist import is_rank_zero
 from remat_plugin.runtime.hf_cache import disable_hf_cache
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,12 @@ def disable_hf_checkpointing(model: nn.Module) -> None:
     off = getattr(model, "activation_checkpointing_disable", None) or getattr(model, "gradient_checkpointing_disable", None)
     if off is not None:
         off()
+
+
+def rank_zero_logger(logger: logging.Logger, level: int) -> Callable[[str], None]:
+    """``logger`` at ``level``, on rank 0 only: how the adapters pass :func:`settle_checkpointing` its ``info`` and
+    ``warn``."""
+    return lambda message: logger.log(level, "%s", message) if is_rank_zero() else None
 
 
 def settle_checkpointing(target: nn.Module, prefix: str, info: Callable[[str], Any],

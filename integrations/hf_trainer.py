@@ -22,6 +22,7 @@ does not recognise as a bare state dict, which safetensors refuses for tied weig
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from accelerate.hooks import add_hook_to_module
@@ -30,10 +31,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from remat_plugin.errors import RematError
 from remat_plugin.integrations.accelerate import RematHook, RematPlugin, find_hook
-from remat_plugin.integrations.checkpointing import settle_checkpointing
+from remat_plugin.integrations.checkpointing import rank_zero_logger, settle_checkpointing
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import ENV_VARIABLES, RematConfig
-from remat_plugin.runtime.dist import is_rank_zero
 from remat_plugin.runtime.reporting import announce
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class RematCallback(TrainerCallback):
             raise RematError(f"{_PREFIX}: the model already has a RematHook; add one RematCallback, and do not also "
                              "call remat_plugin.integrations.accelerate.prepare on it")
         config = self.plugin.to_config()
-        wrapped = settle_checkpointing(model, _PREFIX, _tell(logging.INFO), _tell(logging.WARNING))
+        wrapped = settle_checkpointing(model, _PREFIX, *_tellers())
         if wrapped:
             raise RematError(f"{_PREFIX}: the model already uses CheckpointWrapper modules ({', '.join(wrapped[:3])}); "
                              "remove them to let remat_plugin plan, or drop the RematCallback")
@@ -92,7 +92,7 @@ class RematCallback(TrainerCallback):
             return
         self._optimizer = optimizer
         # train() turned the model's own checkpointing on (gradient_checkpointing=True) after on_init_end
-        settle_checkpointing(model, _PREFIX, _tell(logging.INFO), _tell(logging.WARNING))
+        settle_checkpointing(model, _PREFIX, *_tellers())
 
 
 def _check_supported(args: TrainingArguments) -> None:
@@ -109,5 +109,6 @@ def _check_supported(args: TrainingArguments) -> None:
                          "use RematCallback(..., compile=True) (REMAT_COMPILE=1) to compile the planned step")
 
 
-def _tell(level: int):
-    return lambda message: log.log(level, "%s", message) if is_rank_zero() else None
+def _tellers() -> tuple[Callable[[str], None], Callable[[str], None]]:
+    """:func:`settle_checkpointing`'s ``info`` and ``warn``, on rank 0."""
+    return rank_zero_logger(log, logging.INFO), rank_zero_logger(log, logging.WARNING)

@@ -34,11 +34,12 @@ NOTE [op times across shapes]
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -298,12 +299,19 @@ def profile_ops(joint: JointGraph, device: torch.device, progress=None, timings:
     ``real``: the step's tensors by placeholder name (parameters, buffers, inputs), read by ops
     that do not write their inputs instead of generated copies.
     """
+    with _on_real_tensors(device):
+        return _profile_ops(joint, device, progress, OpTimings() if timings is None else timings, real or {})
+
+
+@contextlib.contextmanager
+def _on_real_tensors(device: torch.device) -> Iterator[None]:
+    """Inside, ops run on real tensors and leave the user's RNG stream where it was; generated inputs go after."""
     devices = [device] if device.type == "cuda" else []
     # Planning runs inside AOTAutograd's partitioner, under its fake-tensor mode: step out of it
     # so the ops run on real tensors.  Random ops must not shift the user's RNG stream.
     with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
         try:
-            return _profile_ops(joint, device, progress, OpTimings() if timings is None else timings, real or {})
+            yield
         finally:
             _samples.clear()
 
@@ -322,12 +330,8 @@ def scratch_of(joint: JointGraph, planned: dict[str, int], device: torch.device)
         return {}
     if profiler_active():
         return {n.name: planned[n.name] for n in nodes}
-    devices = [device] if device.type == "cuda" else []
-    with unset_fake_temporarily(), torch.random.fork_rng(devices=devices):
-        try:
-            return {n.name: b for n, b in zip(nodes, _temp_bytes(nodes, device, joint.real_inputs)) if b}
-        finally:
-            _samples.clear()
+    with _on_real_tensors(device):
+        return {n.name: b for n, b in zip(nodes, _temp_bytes(nodes, device, joint.real_inputs)) if b}
 
 
 def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpTimings,
@@ -354,7 +358,8 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
         if progress is not None:
             progress(i + 1, len(joint.ops))
     # Under a profiler scratch cannot be read (_temp_bytes): a carried op keeps the scratch of the shape measured
-    with_scratch = [*new, *(sig for sig in carried if measured[sig][1] > 0 and not profiler_active())]
+    rescratch = [] if profiler_active() else [sig for sig in carried if measured[sig][1] > 0]
+    with_scratch = [*new, *rescratch]
     if with_scratch:
         nodes = {**new, **carried}
         for sig, scratch in zip(with_scratch, _temp_bytes([nodes[s] for s in with_scratch], device, real)):

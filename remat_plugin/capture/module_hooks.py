@@ -42,33 +42,34 @@ def _hook_name(hook: Callable) -> tuple[str, str]:
     return getattr(target, "__module__", None) or "", getattr(target, "__qualname__", type(hook).__name__)
 
 
-def _hooks(module: nn.Module, backward: bool) -> Iterator[tuple[str, str, str]]:
-    """``(where, defining module, name)`` of each forward or backward hook on ``module``, its submodules, or every
-    module (global)."""
-    for hook in global_module_hooks(backward):
-        yield ("every module (global)", *_hook_name(hook))
+def _hooks(module: nn.Module, kinds: tuple[bool, ...]) -> Iterator[tuple[str, str, str]]:
+    """``(where, defining module, name)`` of each hook of these kinds (``True``: backward, ``False``: forward) on
+    every module (global), then on ``module`` and its submodules, in one walk over them."""
+    for backward in kinds:
+        for hook in global_module_hooks(backward):
+            yield ("every module (global)", *_hook_name(hook))
     for name, sub in module.named_modules():
-        for hook in module_hooks(sub, backward):
-            yield (name or type(module).__name__, *_hook_name(hook))
+        for backward in kinds:
+            for hook in module_hooks(sub, backward):
+                yield (name or type(module).__name__, *_hook_name(hook))
 
 
 def hooks_state(module: nn.Module) -> str:
     """The model's hooks by where and what, for the call's signature ("" when it has none): a hook added or
     removed after planning is a new capture.  Names, not identities, so every rank computes the same."""
-    found = [f"{where}:{origin}.{name}" for backward in (False, True) for where, origin, name in _hooks(module, backward)]
-    return "|".join(sorted(found))
+    return "|".join(sorted(f"{where}:{origin}.{name}" for where, origin, name in _hooks(module, (False, True))))
 
 
 def check_hooks(module: nn.Module) -> None:
     """Refuse backward hooks, and say once which forward hooks run only while tracing (NOTE [module hooks])."""
-    backward = [f"{name} on {where}" for where, _, name in _hooks(module, backward=True)]
+    backward = [f"{name} on {where}" for where, _, name in _hooks(module, (True,))]
     if backward:
         raise CaptureError(
             f"remat_plugin.capture: {type(module).__name__} has backward hooks ({', '.join(backward[:3])}"
             f"{', ...' if len(backward) > 3 else ''}), which a planned step would never run: its backward runs "
             "programs made from the traced graph, not the modules. Register them on tensors instead "
             "(tensor.register_hook, or on parameters), or remove them")
-    traced = sorted({f"{name} on {where}" for where, origin, name in _hooks(module, backward=False)
+    traced = sorted({f"{name} on {where}" for where, origin, name in _hooks(module, (False,))
                      if not origin.startswith(_TRACED_AS_OPS) and "enable_input_require_grads" not in name})
     told = _told.setdefault(module, set())
     new = [t for t in traced if t not in told]

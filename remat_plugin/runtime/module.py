@@ -22,7 +22,7 @@ from remat_plugin.runtime.hf_cache import cache_off
 from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.side_effects import unobserved
-from remat_plugin.runtime.signature import Call
+from remat_plugin.runtime.signature import Call, device_of
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches
 from remat_plugin.runtime.store import PlanStore
 from remat_plugin.torch_private import suspended_user_modes
@@ -231,10 +231,5 @@ def rematerialize(
     if args or kwargs:
         rm.prepare(tuple(args), dict(kwargs or {}))
     else:
-        parse_budget(budget, _device_of(module))  # a malformed budget is said now, not at the first step
+        parse_budget(budget, device_of((), {}, module))  # a malformed budget is said now, not at the first step
     return rm
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    tensor = next(module.parameters(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")

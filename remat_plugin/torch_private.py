@@ -168,6 +168,19 @@ def autocast_settings() -> tuple[tuple[str, torch.dtype, bool], ...]:
                  for device in autocast_devices() if torch.is_autocast_enabled(device))
 
 
+@contextlib.contextmanager
+def autocast_as(state: tuple) -> Iterator[None]:
+    """Autocast exactly as ``state`` (from :func:`autocast_settings`): on for its devices, off for the others."""
+    with contextlib.ExitStack() as stack:
+        on = {device for device, _, _ in state}
+        for device in autocast_devices():
+            if device not in on and torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        for device, dtype, cache in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+        yield
+
+
 def autocast_state() -> tuple[tuple[str, str, bool], ...]:
     """:func:`autocast_settings` with dtypes as text (a signature key)."""
     return tuple((device, str(dtype), cache) for device, dtype, cache in autocast_settings())

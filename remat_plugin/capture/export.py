@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
@@ -45,12 +46,13 @@ from remat_plugin.torch_private import (
 log = logging.getLogger(__name__)
 
 
-def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """``torch.export`` with a :class:`CaptureError` that names the failing op or line."""
+def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
+    :class:`CaptureError` that names the failing op or line."""
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
-        with suspended_user_modes(), reentrant_checkpoints_inlined():
-            return torch.export.export(module, args, kwargs, strict=False)
+        with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions():
+            exported = torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = ""
@@ -79,6 +81,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.
             f"remat_plugin.capture: torch.export could not capture {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {first}{hint}"
         ) from exc
+    return restore_functions(exported.module())
 
 
 @dataclass(frozen=True)
@@ -283,15 +286,15 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
     if layers is not None:
         try:
             with layers.opaque():
-                gm = export_module(module, args, kwargs).module()
+                gm = export_module(module, args, kwargs)
             layers.export_templates(export_module)
             gm.meta[LAYERS_META] = layers
             return gm, layers
         except Exception as exc:  # noqa: BLE001 -- any failure of the opaque export: the whole export decides
-            gm = export_module(module, args, kwargs).module()  # its error, if it fails too, is the one to see
+            gm = export_module(module, args, kwargs)  # its error, if it fails too, is the one to see
             _warn_traced_whole(type(module).__name__, exc)
             return gm, None
-    return export_module(module, args, kwargs).module(), None
+    return export_module(module, args, kwargs), None
 
 
 def build_step(
@@ -414,7 +417,7 @@ def build_step(
 
     def traced_whole() -> Callable:
         """The step traced with every layer (a model whose layers turned out not to splice)."""
-        step.exported = export_module(module, args, kwargs).module()
+        step.exported = export_module(module, args, kwargs)
         return traced()
 
     step.fn = traced()

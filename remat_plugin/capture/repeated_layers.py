@@ -49,7 +49,7 @@ from remat_plugin.torch_private import (
     FakeTensor,
     TorchDispatchMode,
     aot_function,
-    autocast_devices,
+    autocast_as,
     autocast_settings,
     pytree,
 )
@@ -121,19 +121,6 @@ def _running_own_forward() -> Iterator[None]:
         yield
     finally:
         _own_forward.depth -= 1
-
-
-@contextlib.contextmanager
-def _autocast_as(state: tuple) -> Iterator[None]:
-    """Autocast exactly as ``state`` (from :func:`autocast_settings`): on for its devices, off for the others."""
-    with contextlib.ExitStack() as stack:
-        on = {device for device, _, _ in state}
-        for device in autocast_devices():
-            if device not in on and torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        for device, dtype, cache in state:
-            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
-        yield
 
 
 def _unflatten_inputs(call: _Call, inputs: list[Tensor]) -> tuple[tuple, dict]:
@@ -315,7 +302,7 @@ class RepeatedLayers:
         known.update({id(t): ("input", i) for i, t in enumerate(inputs)})
         args, kwargs = _unflatten_inputs(call, inputs)
         names = self.param_names
-        with _running_own_forward(), _autocast_as(call.autocast), _Fingerprint(known) as recorder:
+        with _running_own_forward(), autocast_as(call.autocast), _Fingerprint(known) as recorder:
             out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
                                              strict=True)
         out_leaves, call.out_spec = pytree.tree_flatten(out)
@@ -335,7 +322,7 @@ class RepeatedLayers:
         call.example = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs]
         self.templates.append(_Template(key, call))
 
-    def export_templates(self, export_module: Callable[[nn.Module, tuple, dict], torch.export.ExportedProgram]) -> None:
+    def export_templates(self, export_module: Callable[[nn.Module, tuple, dict], fx.GraphModule]) -> None:
         """Export (with ``export_module``) one layer of each kind alone; :meth:`splice` traces its joint graph."""
         for template in self.templates:
             if template.exported is None:
@@ -344,8 +331,8 @@ class RepeatedLayers:
                 inputs = [torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_().requires_grad_(grad)
                           for (shape, stride, dtype, device), grad in zip(call.example, call.requires_grad)]
                 args, kwargs = _unflatten_inputs(call, inputs)
-                with _running_own_forward(), _autocast_as(call.autocast):
-                    template.exported = export_module(self.layers[call.layer], args, kwargs).module()
+                with _running_own_forward(), autocast_as(call.autocast):
+                    template.exported = export_module(self.layers[call.layer], args, kwargs)
 
     def _trace(self, template: _Template, params: list[Tensor], inputs: list[Tensor], mode: Any) -> None:
         """The template's joint graph, traced on ``params`` and ``inputs``: fake tensors of the model's trace, so the
@@ -366,7 +353,7 @@ class RepeatedLayers:
 
         traced = aot_function(flat_fn, fw_compiler=lambda g, _e: g, partition_fn=capture, enable_log=False)
         try:
-            with torch.enable_grad(), _autocast_as(call.autocast):  # AOTAutograd partitions under no_grad
+            with torch.enable_grad(), autocast_as(call.autocast):  # AOTAutograd partitions under no_grad
                 traced(*params, *inputs)
         except _Captured:
             pass

@@ -341,6 +341,46 @@ def test_uncapturable_model_with_layers_falls_back_exactly():
     assert "forward" not in a.layers[0].__dict__, "layer forwards restored after the step"
 
 
+class _SelectsByMask(nn.Module):
+    """Boolean-mask selection (``h[mask]``): torch.export holds its size unbacked, AOTAutograd's trace at fixed sizes
+    cannot (NOTE [untraceable graphs])."""
+
+    def __init__(self, n_layers: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(n_layers))
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            h = torch.tanh(layer(x))
+            x = x + h + h[mask].sum()
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("lazily", [False, True])
+def test_a_graph_the_trace_cannot_hold_falls_back_or_raises_naming_the_line(lazily):
+    x = torch.randn(32, 16, dtype=torch.float64)
+    mask = torch.arange(32) % 3 == 0
+    model = _SelectsByMask(4).double()
+    ref = copy.deepcopy(model)
+    rm = rematerialize(model, budget=10**9, verbose=False) if lazily else \
+        rematerialize(model, (x, mask), budget=10**9, verbose=False)
+    for _ in range(2):
+        for m in (rm, ref):
+            m(x, mask).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert rm.plan is not None and rm.plan.fallback
+    assert "could not be traced" in rm.plan.fallback and "boolean mask" in rm.plan.fallback
+    assert "test_api.py" in rm.plan.fallback  # the model's line
+    single = _SelectsByMask(1).double()  # one layer: no list of repeated layers to fall back on
+    with pytest.raises(CaptureError, match=r"could not be traced.*nonzero.*no list of repeated layers"):
+        rm = rematerialize(single, budget=10**9, verbose=False) if lazily else \
+            rematerialize(single, (x, mask), budget=10**9, verbose=False)
+        rm(x, mask).backward()
+
+
 def test_smaller_shapes_replay_a_covering_plan_larger_ones_plan_anew():
     """RematModule resolves steps like the session: a smaller batch replays the plan (no solve), a larger one plans."""
     from remat_plugin.bench.models import mlp_chain

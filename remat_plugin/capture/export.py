@@ -29,7 +29,7 @@ from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
-from remat_plugin.errors import CaptureError
+from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
     InputMutationAOTOutput,
@@ -82,6 +82,41 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             f"{type(exc).__name__}: {first}{hint}"
         ) from exc
     return restore_functions(exported.module())
+
+
+# NOTE [untraceable graphs]
+#     ``torch.export`` accepts graphs AOTAutograd cannot trace at fixed sizes: an op whose output size
+#     depends on tensor values (boolean-mask indexing ``x[mask]``, ``nonzero``, ``unique``), which export
+#     holds with an unbacked size, or an autograd Function whose backward reads a number from a tensor
+#     (NOTE [autograd Functions]).  The trace happens at the step's first call, so such a model used to
+#     fail there with the tracer's own exception.  It is now a :class:`CaptureError` naming the op and the
+#     model's line, with the per-layer fallback where the model has repeated layers, as for an export that
+#     fails.  Failures after the joint graph is handed to the planner are the planner's and stay as they are.
+def untraceable(exc: Exception, exported: torch.fx.GraphModule | None, model: str) -> CaptureError:
+    """The :class:`CaptureError` of an exported graph AOTAutograd could not trace (NOTE [untraceable graphs])."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    where = ""
+    tb = exc.__traceback__
+    generated = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith("<eval_with_key>"):
+            generated = tb  # the innermost frame of the exported graph's code: the node that failed
+        tb = tb.tb_next
+    if generated is not None and exported is not None:
+        line = linecache.getline(generated.tb_frame.f_code.co_filename, generated.tb_lineno).strip()
+        name = line.split(" = ", 1)[0].split(",")[0].strip() if " = " in line else ""
+        node = next((n for n in exported.graph.nodes if n.name == name), None)
+        trace = (node.meta.get("stack_trace") or "").strip().splitlines() if node is not None else []
+        source = [t.strip() for t in trace if t.strip().startswith("File ")]
+        where = f" at {source[-1]}" if source else f" at `{line[:200]}`"
+    hint = ""
+    if "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__ or \
+            "data-dependent" in first:
+        hint = (" (an op whose output size or a branch depends on tensor values, such as x[mask] with a boolean "
+                "mask, nonzero or unique: a graph traced at fixed sizes cannot hold it; write it with sizes that "
+                "do not depend on values, e.g. torch.where(mask, x, 0))")
+    return CaptureError(f"remat_plugin.capture: the graph exported from {model or 'the model'} could not be traced"
+                        f"{where}: {type(exc).__name__}: {first[:300]}{hint}")
 
 
 @dataclass(frozen=True)
@@ -198,8 +233,15 @@ class CompiledStep:
     # cannot run within its budget (NOTE [loss-only first plan] in remat_plugin.runtime.resolver).
     refuse_usage: Callable[[OutputUsage], None] | None = None
     freed_outputs: frozenset[int] = frozenset()  # flat tensor outputs the plan frees after the forward
+    joint_seen: bool = False  # the trace reached the joint graph: later failures are planning's, not the trace's
+    # Given the CaptureError of a graph AOTAutograd could not trace (NOTE [untraceable graphs]), what runs the call
+    # instead (the per-layer fallback), and every later one; None: the error is raised.
+    on_untraceable: Callable[[CaptureError], Callable[[tuple, dict], Any]] | None = None
+    instead: Callable[[tuple, dict], Any] | None = None
 
     def __call__(self, args: tuple, kwargs: dict):
+        if self.instead is not None:
+            return self.instead(args, kwargs)
         leaves, _ = pytree.tree_flatten((args, kwargs))
         inputs: list = [*self.params, *(leaves[i] for i in self.tensor_positions)]
         if self.traced:
@@ -216,15 +258,18 @@ class CompiledStep:
                 self.fn, self.traced_whole = self.traced_whole(), None  # an inference graph: no joint to splice into
             if self.options.backward_segments > 1 and not self.options.compile and torch.is_grad_enabled():
                 inputs = ordered_first_call(inputs)  # NOTE [first call order]
-            with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
-                try:
-                    flat_out = self.fn(*inputs)
-                except NotSpliceable as exc:
-                    if self.traced_whole is None:
-                        raise
-                    _warn_traced_whole(self.model_name, exc)
-                    self.fn, self.traced_whole = self.traced_whole(), None
-                    flat_out = self.fn(*inputs)
+            try:
+                flat_out = self._trace(inputs)
+            except RematError:
+                raise
+            except Exception as exc:  # NOTE [untraceable graphs]
+                if self.joint_seen:
+                    raise
+                err = untraceable(exc, self.exported, self.model_name)
+                if self.on_untraceable is None:
+                    raise err from exc
+                self.instead = self.on_untraceable(err)
+                return self.instead(args, kwargs)
             self.traced = True
         if self.absent_tangents and torch.is_grad_enabled():
             self._keep_missing_gradients(flat_out)
@@ -239,6 +284,17 @@ class CompiledStep:
         for pos, c in self.out_constants.items():
             out_leaves[pos] = c
         return pytree.tree_unflatten(out_leaves, self.out_spec)
+
+    def _trace(self, inputs: list) -> Any:
+        with traced_like_eager(self.options.backward_autocast):  # the first call traces the joint graph
+            try:
+                return self.fn(*inputs)
+            except NotSpliceable as exc:
+                if self.traced_whole is None:
+                    raise
+                _warn_traced_whole(self.model_name, exc)
+                self.fn, self.traced_whole = self.traced_whole(), None
+                return self.fn(*inputs)
 
     def _record(self, usage: OutputUsage) -> None:
         if self.refuse_usage is not None:
@@ -354,6 +410,7 @@ def build_step(
     n_params = len(dict(module.named_parameters()))
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
+        step.joint_seen = True
         spliced = step.exported.meta.get(LAYERS_META)
         if spliced is not None:
             try:
@@ -421,7 +478,7 @@ def build_step(
         return traced()
 
     step.fn = traced()
+    step.model_name = type(module).__name__
     if layers is not None:
         step.traced_whole = traced_whole
-        step.model_name = type(module).__name__
     return step

@@ -185,6 +185,15 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
         step.run = build_step(module, call.args, call.kwargs, plan_and_emit, call.device, dropped_outputs, options,
                               ungraded_outputs, exported)
         export_s = time.perf_counter() - export_started
+
+        def untraceable(err: CaptureError) -> Callable[[tuple, dict], Any]:  # NOTE [untraceable graphs]
+            step.run = _fallback(module, err, budget_bytes, step)
+            step.checked = True
+            if on_plan is not None:
+                on_plan(step)
+            return step.run
+
+        step.run.on_untraceable = untraceable
     except CaptureError as err:
         step.run = _fallback(module, err, budget_bytes, step)
         step.checked = True

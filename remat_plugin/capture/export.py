@@ -26,6 +26,7 @@ from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.layer_splice import NotSpliceable
+from remat_plugin.capture.module_attributes import Guard, traced_values
 from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
@@ -241,6 +242,7 @@ class CompiledStep:
     # instead (the per-layer fallback), and every later one; None: the error is raised.
     on_untraceable: Callable[[CaptureError], Callable[[tuple, dict], Any]] | None = None
     instead: Callable[[tuple, dict], Any] | None = None
+    guard: Guard | None = None  # the modules' Python values the graph holds (NOTE [module attributes])
 
     def __call__(self, args: tuple, kwargs: dict):
         if self.instead is not None:
@@ -324,6 +326,7 @@ class CompiledStep:
 
 
 LAYERS_META = "remat_plugin.repeated_layers"  # an exported module's RepeatedLayers, in its .meta
+GUARD_META = "remat_plugin.guard"  # the Python values its export read, in its .meta (NOTE [module attributes])
 _told_whole: set[tuple[str, str]] = set()
 
 
@@ -387,14 +390,16 @@ def build_step(
         gm = exported
         layers = gm.meta.get(LAYERS_META)
     else:
-        gm, layers = _export(module, args, kwargs, options)
+        with traced_values(module) as values:  # NOTE [module attributes]
+            gm, layers = _export(module, args, kwargs, options)
+        gm.meta[GUARD_META] = values.guard()
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
     names = list(named)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
-                        options=options, exported=gm, freed_outputs=dropped_outputs)
+                        options=options, exported=gm, freed_outputs=dropped_outputs, guard=gm.meta.get(GUARD_META))
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))

@@ -75,6 +75,7 @@ from typing import Any
 from torch import nn
 
 from remat_plugin.capture.export import ExecutionOptions
+from remat_plugin.capture.module_attributes import not_read, say_changed
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
@@ -183,6 +184,9 @@ class StepResolver:
         self._planning: dict[str, PlanningProgress] = {}  # progress of lazy plans, entered by the call that plans
         self.on_new_plan = on_new_plan
         self.steps = StepTable(type(module).__name__)  # exact signature key -> step
+        # Keys whose step was dropped for a changed Python value: the dropped graph's code and the values changed,
+        # to tell, once built again, whether the forward reads them (NOTE [module attributes]).
+        self._retraced: dict[str, tuple[str, list[str]]] = {}
         self.latest: PlannedStep | None = None  # the step of the latest call
         self.latest_added: Plan | None = None  # the plan added to the store last
         self.n_solved = 0  # plans solved here (not replayed, loaded or received)
@@ -241,6 +245,19 @@ class StepResolver:
         if step is not None and step.tensor_ids != call.tensor_ids:
             log.info("remat_plugin: parameters or buffers of %s were replaced since its step for %s was built; "
                      "rebuilding the step", type(self.module).__name__, call.signature.describe())
+            del self.steps[call.key]
+            return None
+        if step is None:
+            return None
+        traced_before = self._retraced.pop(call.key, None)
+        exported = step.exported_module()
+        if traced_before is not None and exported is not None and exported.code == traced_before[0]:
+            not_read(self.module, traced_before[1])  # the same graph: the forward does not read them
+        changed = step.changed_values()
+        if changed:  # NOTE [module attributes]
+            say_changed(self.module, changed)
+            if exported is not None:
+                self._retraced[call.key] = (exported.code, [where for where, _, _ in changed])
             del self.steps[call.key]
             return None
         return step

@@ -6,7 +6,9 @@ leaf its repr: NOTE [Python values in a call] in :mod:`remat_plugin.runtime.reso
 mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the
 module's state: the names, shapes and dtypes of its parameters and buffers,
 which parameters require gradients (unfreezing a layer or adding an adapter is a new graph), and its
-module hooks (NOTE [module hooks] in :mod:`remat_plugin.capture.module_hooks`).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
+module hooks (NOTE [module hooks] in :mod:`remat_plugin.capture.module_hooks`).  The Python values its modules
+hold are not part of it: each step is guarded by them (NOTE [module attributes] in
+:mod:`remat_plugin.capture.module_attributes`).  Its :attr:`~Signature.key` is plain JSON (dict keys, checkpoints, cache file names).
 
 Plans are made for *buckets*: the sequence length (dim 1 of integer and boolean inputs: token
 ids, masks, labels) rounds up, by default to a power of two.  The batch dimension is not

@@ -108,6 +108,12 @@ class PlannedStep:
         """The forward and backward programs its first call built (inductor segments under ``compile=True``)."""
         return list(getattr(self.run, "programs", ()))
 
+    def changed_values(self) -> list[tuple[str, Any, Any]]:
+        """The modules' Python values changed since its graph was traced (NOTE [module attributes]): each
+        ``(where, now, traced with)``; none for a fallback, which runs the forward's Python."""
+        guard = getattr(self.run, "guard", None)
+        return guard.changed() if guard is not None else []
+
     def take_usage(self) -> OutputUsage | None:
         """What the caller did with the outputs of the latest call whose backward began (once; None if unseen)."""
         usage = getattr(self.run, "usage", None)

@@ -1,0 +1,159 @@
+"""Python values held by the model's modules, which a traced graph holds as constants.
+
+NOTE [module attributes]
+    A planned step runs programs made from the traced graph, not the modules' Python, so every
+    Python value the forward read while it was traced is a constant of the step: a temperature
+    (``logits / self.temperature``), a dropout's ``p``, a BatchNorm's ``momentum``, a submodule's
+    ``training`` flag (a BatchNorm put in eval mode to freeze it), a transformers config's
+    ``output_hidden_states``.  Changing one after planning used to change nothing, silently.
+
+    Which values a forward reads cannot be seen from outside (the FX tracer under ``torch.export``
+    replaces ``nn.Module.__getattr__`` and wraps modules in proxies), so each step is guarded by every
+    plain value (bool, number, string, None, a short tuple of them) in its modules' ``__dict__``s and
+    in the transformers configs they hold, as they were when it was traced (:class:`Guard`;
+    ``use_cache`` aside: planned calls run without the cache whatever it says, NOTE [training without
+    the cache]).  A step whose guard no longer holds is built again (a new capture, its plan replayed
+    where the graph is the same), and the first change of each value is warned about once, naming it
+    and the fix: a value changed at every step belongs in a tensor buffer, an input of the step.  When
+    the new capture exports the very graph the old one did, the values that changed are not read by
+    the forward (a step counter a loop keeps on the model, a framework's bookkeeping): they leave every
+    later guard (:func:`not_read`).  Values the forward writes itself (a call counter) leave it too,
+    with a warning: a planned step does not run the forward's Python, so they do not change at its
+    steps (``torch.export`` even puts them back after tracing; :func:`traced_values` reads them as the
+    traced forward returns).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+_SCALARS = (bool, int, float, str, type(None))
+_LEFT_OUT = frozenset({"use_cache"})
+_MISSING = object()
+
+Entry = tuple[Any, str, Any, str]  # (owner: a module or a config, attribute, value, where in the model)
+
+_not_read: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+_told_written: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+_told_changed: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _plain(v: Any) -> bool:
+    return type(v) in _SCALARS or (type(v) is tuple and len(v) <= 8 and all(type(x) in _SCALARS for x in v))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def _is_config(v: Any) -> bool:
+    return type(v).__module__.startswith("transformers.") and type(v).__name__.endswith("Config") and \
+        hasattr(v, "to_dict")
+
+
+def snapshot(module: nn.Module) -> list[Entry]:
+    """The plain values of ``module``'s submodules and of the transformers configs they hold."""
+    entries: list[Entry] = []
+    configs: dict[int, tuple[str, Any]] = {}
+    for path, sub in module.named_modules():
+        for name, v in sub.__dict__.items():
+            if _plain(v):
+                entries.append((sub, name, v, f"{path}.{name}" if path else name))
+            elif name == "config" and _is_config(v) and id(v) not in configs:
+                configs[id(v)] = (f"{path}.config" if path else "config", v)
+    for where, config in configs.values():
+        entries.extend((config, name, v, f"{where}.{name}") for name, v in vars(config).items()
+                       if name not in _LEFT_OUT and _plain(v))
+    return entries
+
+
+def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, Any]]:
+    out = []
+    for owner, name, value, where in entries:
+        now = vars(owner).get(name, _MISSING)
+        if not _same(now, value) and where not in skip:
+            out.append((where, now, value))
+    return out
+
+
+@dataclass
+class Guard:
+    """The values a traced step holds as constants, as they were when it was traced (NOTE [module attributes])."""
+
+    model: Any  # weakref.ref to the model the values are of
+    entries: tuple[Entry, ...]
+
+    def changed(self) -> list[tuple[str, Any, Any]]:
+        """``(where, now, traced with)`` of each value changed since, but those found not read."""
+        model = self.model()
+        return _changed(self.entries, _not_read.get(model, set()) if model is not None else set())
+
+
+class TracedValues:
+    """The model's plain values before a trace and as its traced forward returned (``torch.export`` puts back
+    what the forward assigned once the trace ends, so the values are read by a forward hook)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.before = snapshot(module)
+        self.after: dict[str, Any] | None = None
+
+    def forward_returned(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.after = {where: value for _, _, value, where in snapshot(module)}
+
+    def guard(self) -> Guard:
+        """The guard of the traced graph; says once which values the forward itself changed, which leave it."""
+        module, after = self.module, self.after or {}
+        written = {where for _, _, value, where in self.before if not _same(after.get(where, _MISSING), value)} \
+            if self.after is not None else set()
+        if written:
+            _not_read.setdefault(module, set()).update(written)
+            told = _told_written.setdefault(module, set())
+            new = sorted(written - told)
+            if new:
+                told.update(new)
+                log.warning(
+                    "remat_plugin: %s's forward changes Python values (%s). A planned step runs the traced graph, "
+                    "not the forward's Python, so they do not change at its steps. Keep such state in a tensor "
+                    "buffer updated in place, or outside the model", type(module).__name__,
+                    ", ".join(new[:3]) + (", ..." if len(new) > 3 else ""))
+        return Guard(weakref.ref(module), tuple(e for e in self.before if e[3] not in written))
+
+
+@contextlib.contextmanager
+def traced_values(module: nn.Module) -> Iterator[TracedValues]:
+    """Inside, a trace of ``module``'s forward is watched for the values it reads and writes (NOTE [module
+    attributes]); the record's :meth:`TracedValues.guard` is the traced graph's guard."""
+    record = TracedValues(module)
+    handle = module.register_forward_hook(record.forward_returned)
+    try:
+        yield record
+    finally:
+        handle.remove()
+
+
+def not_read(module: nn.Module, wheres: Iterable[str]) -> None:
+    """These values changed and the new capture exported the same graph: the forward does not read them."""
+    _not_read.setdefault(module, set()).update(wheres)
+
+
+def say_changed(module: nn.Module, changed: list[tuple[str, Any, Any]]) -> None:
+    """Warn once per value that it changed since its step was traced, which builds the step again."""
+    told = _told_changed.setdefault(module, set())
+    new = [(where, now, was) for where, now, was in changed if where not in told]
+    if new:
+        told.update(where for where, _, _ in new)
+        log.warning(
+            "remat_plugin: %s's %s changed since its step was traced. A planned step holds the Python values its "
+            "forward read as constants, so the model is captured again (about a second; its plan is replayed where "
+            "the graph is the same, and a value the forward turns out not to read is not watched again). To change "
+            "a value at every step, hold it in a tensor buffer (register_buffer), an input of the step",
+            type(module).__name__, ", ".join(f"{where} ({now!r}, traced with {was!r})" for where, now, was in new[:3]))

@@ -1,0 +1,92 @@
+"""Python values the modules hold are constants of a planned step (NOTE [module attributes]): changing one after
+planning captures again (it used to change nothing, silently); a value the forward itself writes, or does not
+read, stops being watched."""
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from remat_plugin import rematerialize
+
+
+class Tempered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.1)) for _ in range(3))
+        self.temperature = 1.0
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # a Python side effect: runs while traced only
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return (x / self.temperature).square().mean()
+
+
+X = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _step(rm, ref, label: str) -> None:
+    for m in (rm, ref):
+        torch.manual_seed(0)
+        m(X).backward()
+    model = rm.original
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())), label
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers())), label
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+
+def test_values_changed_after_planning_take_effect(caplog):
+    model = Tempered().double()
+    ref = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rm = rematerialize(model, budget=10**9, verbose=False)
+        for i in range(3):
+            _step(rm, ref, f"step {i}")
+    assert "forward changes Python values (calls)" in caplog.text
+    assert "changed since its step was traced" not in caplog.text  # the counter is not watched
+    changes = [
+        ("temperature", lambda m: setattr(m, "temperature", 0.5)),
+        ("layers.1.2.p", lambda m: setattr(m.layers[1][2], "p", 0.5)),  # a dropout's probability
+        ("layers.0.1.training", lambda m: m.layers[0][1].eval()),  # a BatchNorm frozen
+        ("layers.2.1.momentum", lambda m: setattr(m.layers[2][1], "momentum", 0.5)),
+    ]
+    for name, change in changes:
+        caplog.clear()
+        for m in (model, ref):
+            change(m)
+        with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+            _step(rm, ref, name)
+        assert f"Tempered's {name} (" in caplog.text and "changed since its step was traced" in caplog.text
+
+
+def test_a_value_the_forward_does_not_read_is_captured_again_once():
+    model = Tempered().double()
+    model.step = 0
+    ref = copy.deepcopy(model)
+    rm = rematerialize(model, budget=10**9, verbose=False)
+    _step(rm, ref, "first")
+    replayed = rm._resolver.n_replayed
+    for i in range(1, 5):  # a training loop keeping its step count on the model
+        model.step = ref.step = i
+        _step(rm, ref, f"step {i}")
+    assert rm._resolver.n_replayed == replayed + 1  # captured again once: the same graph, so no longer watched
+    assert rm._resolver.n_solved == 1
+
+
+def test_a_transformers_config_value_changed_after_planning_takes_effect():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).double().train()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    rm = rematerialize(model, budget=10**9, verbose=False)
+    assert rm(input_ids=ids, labels=ids).hidden_states is None
+    model.config.output_hidden_states = True
+    out = rm(input_ids=ids, labels=ids)
+    assert out.hidden_states is not None and len(out.hidden_states) == 3

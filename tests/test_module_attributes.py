@@ -90,3 +90,40 @@ def test_a_transformers_config_value_changed_after_planning_takes_effect():
     model.config.output_hidden_states = True
     out = rm(input_ids=ids, labels=ids)
     assert out.hidden_states is not None and len(out.hidden_states) == 3
+
+
+class Scaled(nn.Module):
+    """A plain tensor attribute (not a registered buffer), and an activation module without parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.scale = torch.full((16,), 2.0, dtype=torch.float64)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + self.act(layer(x)) * self.scale
+        return x.square().mean()
+
+
+def test_tensor_attributes_and_replaced_submodules(caplog):
+    model = Scaled().double()
+    ref = copy.deepcopy(model)
+    ref.scale = model.scale.clone()
+    rm = rematerialize(model, budget=10**9, verbose=False)
+    _step(rm, ref, "first")
+    assert rm.plan is not None and not rm.plan.fallback  # it used to fall back: the constant met fake tensors
+    for m in (model, ref):
+        m.scale.fill_(3.0)  # in place: the step reads the very tensor
+    _step(rm, ref, "in place")
+    changes = [("scale", lambda m: setattr(m, "scale", torch.full((16,), 0.5, dtype=torch.float64))),
+               ("act", lambda m: setattr(m, "act", nn.Tanh()))]
+    for name, change in changes:
+        caplog.clear()
+        for m in (model, ref):
+            change(m)
+        with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+            _step(rm, ref, name)
+        assert f"Scaled's {name} (" in caplog.text, caplog.text

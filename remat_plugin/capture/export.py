@@ -26,7 +26,7 @@ from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.layer_splice import NotSpliceable
-from remat_plugin.capture.module_attributes import Guard, traced_values
+from remat_plugin.capture.module_attributes import Guard, traced_values, with_tensors
 from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
@@ -359,6 +359,29 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
     return export_module(module, args, kwargs), None
 
 
+# NOTE [tensor attributes]
+#     A tensor a module holds as a plain attribute (``self.scale = torch.full(...)``, not a registered
+#     buffer), or one the forward builds from Python values, is a constant of the exported module, which
+#     holds the very tensor.  AOTAutograd traced it as it was, a real tensor among fake ones, and the
+#     trace failed ("Please convert all Tensors to FakeTensors first"), so such models fell back.  Each
+#     such constant is now an input of the step, like a buffer: the traced graph reads it, and every
+#     call passes the tensor itself, so a change made to it in place is seen.  One replaced by another
+#     tensor is a changed value of the step's guard (NOTE [module attributes]): the step is built again.
+def tensor_constants(gm: torch.fx.GraphModule, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors ``gm``'s graph reads as attributes besides ``named`` (the parameters and buffers), by target."""
+    out: dict[str, torch.Tensor] = {}
+    held = {id(t) for t in named.values()}  # a tied weight is read under its other name too
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target not in named and node.target not in out:
+            value: Any = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and id(value) not in held:
+                out[str(node.target)] = value
+                held.add(id(value))
+    return out
+
+
 def build_step(
     module: nn.Module,
     args: tuple,
@@ -395,11 +418,16 @@ def build_step(
         gm.meta[GUARD_META] = values.guard()
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
+    constants = tensor_constants(gm, named)  # NOTE [tensor attributes]
+    named.update(constants)
     names = list(named)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     tensor_positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     step = CompiledStep(fn=None, params=list(named.values()), tensor_positions=tensor_positions,  # type: ignore[arg-type]
-                        options=options, exported=gm, freed_outputs=dropped_outputs, guard=gm.meta.get(GUARD_META))
+                        options=options, exported=gm, freed_outputs=dropped_outputs)
+    guard = gm.meta.get(GUARD_META)
+    if guard is not None:
+        step.guard = with_tensors(guard, module, constants, constants.values())
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))

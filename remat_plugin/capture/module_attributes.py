@@ -10,9 +10,11 @@ NOTE [module attributes]
     Which values a forward reads cannot be seen from outside (the FX tracer under ``torch.export``
     replaces ``nn.Module.__getattr__`` and wraps modules in proxies), so each step is guarded by every
     plain value (bool, number, string, None, a short tuple of them) in its modules' ``__dict__``s and
-    in the transformers configs they hold, as they were when it was traced (:class:`Guard`;
+    in the transformers configs they hold, and by its modules' submodules (one replaced by another, an
+    activation swapped, is another graph), as they were when it was traced (:class:`Guard`;
     ``use_cache`` aside: planned calls run without the cache whatever it says, NOTE [training without
-    the cache]).  A step whose guard no longer holds is built again (a new capture, its plan replayed
+    the cache]), and by the tensor attributes its graph reads, by identity (NOTE [tensor attributes] in
+    :mod:`remat_plugin.capture.export`).  A step whose guard no longer holds is built again (a new capture, its plan replayed
     where the graph is the same), and the first change of each value is warned about once, naming it
     and the fix: a value changed at every step belongs in a tensor buffer, an input of the step.  When
     the new capture exports the very graph the old one did, the values that changed are not read by
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,21 @@ _told_written: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyD
 _told_changed: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
+_SWAPPED = object()  # a submodule replaced, added or removed
+_CHILDREN = "<submodules>"  # an entry for a module's submodules, by name and identity: one replaced is another graph
+
+
+def _children(module: Any) -> tuple[tuple[str, int], ...]:
+    return tuple((name, id(child)) for name, child in module._modules.items())
+
+
 def _plain(v: Any) -> bool:
     return type(v) in _SCALARS or (type(v) is tuple and len(v) <= 8 and all(type(x) in _SCALARS for x in v))
 
 
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b  # a tensor attribute: the step reads the very tensor (NOTE [tensor attributes])
     return type(a) is type(b) and a == b
 
 
@@ -64,6 +76,7 @@ def snapshot(module: nn.Module) -> list[Entry]:
     entries: list[Entry] = []
     configs: dict[int, tuple[str, Any]] = {}
     for path, sub in module.named_modules():
+        entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
         for name, v in sub.__dict__.items():
             if _plain(v):
                 entries.append((sub, name, v, f"{path}.{name}" if path else name))
@@ -76,8 +89,15 @@ def snapshot(module: nn.Module) -> list[Entry]:
 
 
 def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, Any]]:
-    out = []
+    out: list[tuple[str, Any, Any]] = []
     for owner, name, value, where in entries:
+        if name is _CHILDREN:
+            now_children = dict(_children(owner))
+            if now_children != dict(value):
+                base, was = where[: -len(_CHILDREN)], dict(value)
+                out.extend((f"{base}{k}", _SWAPPED, _SWAPPED) for k in sorted(set(was) | set(now_children))
+                           if was.get(k) != now_children.get(k) and f"{base}{k}" not in skip)
+            continue
         now = vars(owner).get(name, _MISSING)
         if not _same(now, value) and where not in skip:
             out.append((where, now, value))
@@ -140,9 +160,27 @@ def traced_values(module: nn.Module) -> Iterator[TracedValues]:
         handle.remove()
 
 
-def not_read(module: nn.Module, wheres: Iterable[str]) -> None:
-    """These values changed and the new capture exported the same graph: the forward does not read them."""
-    _not_read.setdefault(module, set()).update(wheres)
+def not_read(module: nn.Module, changed: Iterable[tuple[str, Any, Any]]) -> None:
+    """These values changed and the new capture exported the same graph: the forward does not read them.  A
+    replaced submodule or tensor stays watched: the graph runs the tensor, and another module may trace otherwise."""
+    _not_read.setdefault(module, set()).update(
+        where for where, now, was in changed if now is not _SWAPPED and not isinstance(now, Tensor)
+        and not isinstance(was, Tensor))
+
+
+def with_tensors(guard: Guard, module: nn.Module, targets: Iterable[str], tensors: Iterable[Tensor]) -> Guard:
+    """``guard`` and the tensor attributes of ``module`` the graph reads (NOTE [tensor attributes] in
+    :mod:`remat_plugin.capture.export`), by identity: one replaced is a changed value."""
+    extra = []
+    for target, tensor in zip(targets, tensors):
+        path, _, name = target.rpartition(".")
+        try:
+            owner = module.get_submodule(path) if path else module
+        except AttributeError:  # made by the forward (a lifted constant): no attribute of the model to replace
+            continue
+        if vars(owner).get(name) is tensor:
+            extra.append((owner, name, tensor, target))
+    return Guard(guard.model, guard.entries + tuple(extra))
 
 
 def say_changed(module: nn.Module, changed: list[tuple[str, Any, Any]]) -> None:
@@ -156,4 +194,12 @@ def say_changed(module: nn.Module, changed: list[tuple[str, Any, Any]]) -> None:
             "forward read as constants, so the model is captured again (about a second; its plan is replayed where "
             "the graph is the same, and a value the forward turns out not to read is not watched again). To change "
             "a value at every step, hold it in a tensor buffer (register_buffer), an input of the step",
-            type(module).__name__, ", ".join(f"{where} ({now!r}, traced with {was!r})" for where, now, was in new[:3]))
+            type(module).__name__, ", ".join(f"{where} (replaced by another module)" if now is _SWAPPED else
+                                             f"{where} ({_shown(now)}, traced with {_shown(was)})"
+                                             for where, now, was in new[:3]))
+
+
+def _shown(v: Any) -> str:
+    if isinstance(v, Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    return "gone" if v is _MISSING else repr(v)

@@ -186,7 +186,7 @@ class StepResolver:
         self.steps = StepTable(type(module).__name__)  # exact signature key -> step
         # Keys whose step was dropped for a changed Python value: the dropped graph's code and the values changed,
         # to tell, once built again, whether the forward reads them (NOTE [module attributes]).
-        self._retraced: dict[str, tuple[str, list[str]]] = {}
+        self._retraced: dict[str, tuple[str, list[tuple[str, Any, Any]]]] = {}
         self.latest: PlannedStep | None = None  # the step of the latest call
         self.latest_added: Plan | None = None  # the plan added to the store last
         self.n_solved = 0  # plans solved here (not replayed, loaded or received)
@@ -257,7 +257,7 @@ class StepResolver:
         if changed:  # NOTE [module attributes]
             say_changed(self.module, changed)
             if exported is not None:
-                self._retraced[call.key] = (exported.code, [where for where, _, _ in changed])
+                self._retraced[call.key] = (exported.code, changed)
             del self.steps[call.key]
             return None
         return step

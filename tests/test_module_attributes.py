@@ -126,3 +126,72 @@ def test_tensor_attributes_and_replaced_submodules(caplog):
     changes = [("scale", lambda m: setattr(m, "scale", torch.full((16,), 0.5, dtype=torch.float64))),
                ("act", lambda m: setattr(m, "act", nn.Tanh()))]
     _change_each(rm, ref, changes, caplog)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.dropout, self.temperature = nn.Linear(32, 32), nn.Dropout(0.1), 1.0
+
+    def forward(self, x):
+        return x + self.dropout(torch.tanh(self.linear(x))) / self.temperature
+
+
+class _Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_fsdp2_units_build_their_step_again_for_a_changed_value(caplog):
+    """One process over gloo: each leaf ``fully_shard`` unit's step is guarded as a whole model's is."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from remat_plugin import rematerialize_fsdp
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = _Blocks().double()
+        ref = copy.deepcopy(model)
+        for m in (model, ref):
+            for layer in m.layers:
+                fully_shard(layer)
+            fully_shard(m)
+        rematerialize_fsdp(model, budget=10**9)
+        x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+        def step(label: str) -> None:
+            for m in (model, ref):
+                torch.manual_seed(0)
+                m(x).backward()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), label
+            model.zero_grad(set_to_none=True)
+            ref.zero_grad(set_to_none=True)
+
+        step("first")
+        step("second")
+        for name, change in (("unit.temperature", lambda m: setattr(m.layers[1], "temperature", 0.5)),
+                             ("unit.dropout.p", lambda m: setattr(m.layers[2].dropout, "p", 0.5))):
+            caplog.clear()
+            for m in (model, ref):
+                change(m)
+            with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+                step(name)
+            assert f"{name} (" in caplog.text and "changed since its step was traced" in caplog.text
+    finally:
+        dist.destroy_process_group()

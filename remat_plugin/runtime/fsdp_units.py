@@ -65,6 +65,7 @@ from remat_plugin.capture.memory_meter import (
     memory_profile,
     warm_backward_workspaces,
 )
+from remat_plugin.capture.module_attributes import say_changed
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
@@ -345,8 +346,13 @@ class FsdpRemat:
             group.units.append(index)
         plan = group.plan_of(index)
         step = group.steps.get(index)
-        # FSDP registered other unsharded Parameters, or the unit's plan changed
-        if step is None or step.tensor_ids != call.tensor_ids or step.plan is None or step.plan.schedule != plan.schedule:
+        # FSDP registered other unsharded Parameters, the unit's plan changed, or a Python value the graph holds
+        # (NOTE [module attributes])
+        changed = step.changed_values() if step is not None else []
+        if changed:
+            say_changed(body.unit, changed)
+        if step is None or step.tensor_ids != call.tensor_ids or step.plan is None or \
+                step.plan.schedule != plan.schedule or changed:
             step = group.steps[index] = replay_step(body, call, plan, plan.budget_bytes, UNIT_OPTIONS)
         return step(call.args, call.kwargs)
 

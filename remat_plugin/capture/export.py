@@ -299,6 +299,7 @@ class CompiledStep:
                     raise
                 _warn_traced_whole(self.model_name, exc)
                 self.fn, self.traced_whole = self.traced_whole(), None
+                self.joint_seen = False  # the splice failed on the joint graph; the whole trace starts afresh
                 return self.fn(*inputs)
 
     def _record(self, usage: OutputUsage) -> None:

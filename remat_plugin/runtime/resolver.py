@@ -238,8 +238,9 @@ class StepResolver:
     def known_step(self, call: Call) -> PlannedStep | None:
         """The step built for exactly this call: its shapes, and the module's parameter and buffer tensors.
 
-        A step whose tensors were replaced since (``tie_weights``, a new ``nn.Parameter``) is
-        dropped: it would run the old ones.  Its plan stays in the store and is replayed.
+        A step whose tensors were replaced since (``tie_weights``, a new ``nn.Parameter``), or whose
+        modules' Python values changed (NOTE [module attributes]), is dropped: it would run the old
+        ones.  Its plan stays in the store and is replayed.
         """
         step = self.steps.get(call.key)
         if step is not None and step.tensor_ids != call.tensor_ids:

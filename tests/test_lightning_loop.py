@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 import lightning.pytorch as pl
@@ -63,4 +64,28 @@ def test_unfreezing_mid_run_replans_and_losses_equal_the_run_without_remat():
     assert ours.losses == plain.losses
     assert auto.session.n_solved == 2  # the unfrozen layer's gradients are a new graph
     assert model.model.transformer.h[0].attn.c_attn.weight.grad is not None
+    assert max(ours.peaks) <= budget, (ours.peaks, budget)
+
+
+class DropoutTo(pl.Callback):
+    """Dropout annealing: every dropout's probability changes at batch ``at`` (NOTE [module attributes])."""
+
+    def __init__(self, at: int, p: float):
+        self.at, self.p = at, p
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            for m in pl_module.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = self.p
+
+
+def test_a_dropout_probability_changed_mid_run_takes_effect():
+    """A callback lowers every dropout's p at batch 2: the planned steps follow it (they kept the planned p,
+    silently), and every loss equals the run without remat, bitwise, each step within the budget."""
+    options = load_options(None, [*TINY, "data.batches_per_len=4", "trainer.max_steps=4"])
+    plain, _, _ = _run(options, callbacks=[DropoutTo(2, 0.05)])
+    budget = max(plain.peaks) * 6 // 10
+    ours, _, _ = _run(options, budget, callbacks=[DropoutTo(2, 0.05)])
+    assert ours.losses == plain.losses
     assert max(ours.peaks) <= budget, (ours.peaks, budget)

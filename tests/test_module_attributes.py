@@ -195,3 +195,23 @@ def test_fsdp2_units_build_their_step_again_for_a_changed_value(caplog):
             assert f"{name} (" in caplog.text and "changed since its step was traced" in caplog.text
     finally:
         dist.destroy_process_group()
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.scale = nn.Linear(16, 16), torch.full((16,), 2.0, dtype=torch.float64)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x)) * self.scale
+
+
+def test_tensor_attributes_inside_repeated_layers_plan():
+    """Layers holding plain tensors are traced whole, so their tensors are inputs too (they fell back)."""
+    model = _Blocks().double()
+    model.layers = nn.ModuleList(_ScaledBlock() for _ in range(3)).double()
+    ref = copy.deepcopy(model)
+    rm = rematerialize(model, budget=10**9, verbose=False)
+    for i in range(2):
+        _step(rm, ref, f"step {i}")
+    assert rm.plan is not None and not rm.plan.fallback

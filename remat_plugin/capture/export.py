@@ -428,7 +428,7 @@ def build_step(
                         options=options, exported=gm, freed_outputs=dropped_outputs)
     guard = gm.meta.get(GUARD_META)
     if guard is not None:
-        step.guard = with_tensors(guard, module, constants, constants.values())
+        step.guard = with_tensors(guard, module, constants)
 
     def flat_fn(*flat):
         state = dict(zip(names, flat[: len(names)]))

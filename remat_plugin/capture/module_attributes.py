@@ -168,11 +168,11 @@ def not_read(module: nn.Module, changed: Iterable[tuple[str, Any, Any]]) -> None
         and not isinstance(was, Tensor))
 
 
-def with_tensors(guard: Guard, module: nn.Module, targets: Iterable[str], tensors: Iterable[Tensor]) -> Guard:
-    """``guard`` and the tensor attributes of ``module`` the graph reads (NOTE [tensor attributes] in
+def with_tensors(guard: Guard, module: nn.Module, tensors: dict[str, Tensor]) -> Guard:
+    """``guard`` and the tensor attributes of ``module`` the graph reads, by target (NOTE [tensor attributes] in
     :mod:`remat_plugin.capture.export`), by identity: one replaced is a changed value."""
     extra = []
-    for target, tensor in zip(targets, tensors):
+    for target, tensor in tensors.items():
         path, _, name = target.rpartition(".")
         try:
             owner = module.get_submodule(path) if path else module

@@ -258,6 +258,9 @@ class RepeatedLayers:
                 why = "its parameters differ from layer 0's"
             elif any(True for _ in layer.buffers()):
                 why = "it holds buffers, whose updates the opaque op would hide"
+            elif any(isinstance(v, Tensor) for m in layer.modules() for v in vars(m).values()):
+                why = "it holds tensors as plain attributes, which the model's trace takes as inputs (NOTE [tensor " \
+                      "attributes] in remat_plugin.capture.export)"
             elif any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                      for m in layer.modules()):
                 why = "it has hooks, which run once in a traced template"

@@ -40,7 +40,9 @@ NOTE [FSDP2 budget]
     thread is done, so whether one unit's gradients are alive twice at the peak is a race (gpt2-tiny:
     6.0 MiB more in some steps than in others of the same plan).  The metered peak leaves those
     clones out and, under gloo, adds one unit's unsharded gradients (:attr:`FsdpRemat.in_flight_bytes`)
-    instead: the worst case, every time.
+    instead: the worst case, every time.  gloo's thread may also free a unit's all-gather output after
+    FSDP2's backward dropped it, where the profiler does not see the free: the meter takes it as freed
+    where FSDP2 dropped it (:func:`step_peak`, NOTE [unseen frees]).
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ from torch.distributed.fsdp import FSDPModule
 from remat_plugin.capture.export import ExecutionOptions
 from remat_plugin.capture.forward_swap import ForwardSwap
 from remat_plugin.capture.memory_meter import (
+    FreedAfter,
     allocator_slack,
     allocator_trace,
     memory_profile,
@@ -87,6 +90,15 @@ log = logging.getLogger(__name__)
 UNIT_OPTIONS = ExecutionOptions(watch_outputs=False)
 MAX_CHOICES = 3  # plans chosen and metered per new input shape, after the lowest plans' metered step
 GLOO_COPIES = ("c10d::_reduce_scatter_base_", "c10d::reduce_scatter_")  # ops whose input gloo clones (NOTE [FSDP2 budget])
+# In backward FSDP2 drops a unit's all-gather output as its copy-out ends; gloo's thread may free it later, unseen
+ALL_GATHER_OUTPUTS = FreedAfter("FSDP::all_gather", "FSDP::all_gather_copy_out", only_inside="FSDP::pre_backward")
+
+
+def step_peak(prof: torch.profiler.profile, device: torch.device | str = "cpu") -> int:
+    """A finished session's allocator peak rise as the units' plans count it (NOTE [FSDP2 budget]): gloo's
+    reduce-scatter clones left out (:func:`in_flight_bytes` counts them), all-gather outputs freed where FSDP2
+    dropped them (NOTE [unseen frees])."""
+    return allocator_trace(prof, device, excluding=GLOO_COPIES, freed_after=(ALL_GATHER_OUTPUTS,)).peak_rise()[0]
 
 
 def in_flight_bytes(units: Iterable[nn.Module]) -> int:
@@ -291,8 +303,7 @@ class FsdpRemat:
                     del outputs
                     loss.backward()
                     del loss, held
-            # gloo's reduce-scatter clones are left out here and counted once in ``in_flight_bytes``
-            peak = allocator_trace(prof, self._device, excluding=GLOO_COPIES).peak_rise()[0]
+            peak = step_peak(prof, self._device)  # plus ``in_flight_bytes`` below
         finally:
             self._metering = False
             for p, grad in zip(params, grads):

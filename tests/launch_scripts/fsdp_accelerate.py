@@ -18,9 +18,9 @@ from accelerate import Accelerator
 from torch.distributed.fsdp import fully_shard
 
 from remat_plugin.bench.models import build
-from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
+from remat_plugin.capture.memory_meter import memory_profile
 from remat_plugin.integrations import accelerate as remat_accelerate
-from remat_plugin.runtime.fsdp_units import GLOO_COPIES, in_flight_bytes
+from remat_plugin.runtime.fsdp_units import in_flight_bytes, step_peak
 
 STEPS, METERED_FROM = 6, 3
 
@@ -53,7 +53,7 @@ def main() -> None:
         if step >= METERED_FROM:
             with memory_profile() as prof:
                 loss = fwd_bwd()
-            peaks.append(allocator_trace(prof, excluding=GLOO_COPIES).peak_rise()[0] + in_flight)
+            peaks.append(step_peak(prof) + in_flight)
         else:
             loss = fwd_bwd()
         optimizer.step()

@@ -25,8 +25,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 from remat_plugin.bench.models import build
-from remat_plugin.capture.memory_meter import allocator_trace, memory_profile
-from remat_plugin.runtime.fsdp_units import GLOO_COPIES, in_flight_bytes
+from remat_plugin.capture.memory_meter import memory_profile
+from remat_plugin.runtime.fsdp_units import in_flight_bytes, step_peak
 
 STEPS, METERED_FROM = 6, 3
 
@@ -64,7 +64,7 @@ class ShardedLM(pl.LightningModule):
         if batch_idx >= METERED_FROM:
             with memory_profile() as prof:
                 loss = fwd_bwd()
-            self.peaks.append(allocator_trace(prof, excluding=GLOO_COPIES).peak_rise()[0] + self.in_flight)
+            self.peaks.append(step_peak(prof) + self.in_flight)
         else:
             loss = fwd_bwd()
         opt.step()

@@ -87,7 +87,7 @@ from remat_plugin.batch_size.tune import tune_batch_size
 from remat_plugin.capture.forward_swap import InstalledForward
 from remat_plugin.capture.memory_meter import warm_backward_workspaces
 from remat_plugin.errors import OptionError, RematError
-from remat_plugin.integrations.checkpointing import rank_zero_logger, settle_checkpointing
+from remat_plugin.integrations.checkpointing import rank_zero_tellers, settle_checkpointing
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import ENV_VARIABLES, ConfigError, RematConfig, env_texts
@@ -404,8 +404,7 @@ def _check_supported(accelerator: Accelerator) -> None:
 
 def _avoid_double_checkpointing(model: nn.Module) -> bool:
     """Our plan replaces HF gradient checkpointing; ``CheckpointWrapper`` modules, which we cannot undo, turn us off."""
-    wrapped = settle_checkpointing(model, "remat_plugin.accelerate", rank_zero_logger(log, logging.INFO),
-                                   rank_zero_logger(log, logging.WARNING))
+    wrapped = settle_checkpointing(model, "remat_plugin.accelerate", *rank_zero_tellers(log))
     if wrapped:
         if is_rank_zero():
             log.warning("remat_plugin.accelerate: the model already uses CheckpointWrapper modules (%s); remat stays "

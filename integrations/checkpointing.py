@@ -34,10 +34,11 @@ def disable_hf_checkpointing(model: nn.Module) -> None:
         off()
 
 
-def rank_zero_logger(logger: logging.Logger, level: int) -> Callable[[str], None]:
-    """``logger`` at ``level``, on rank 0 only: how the adapters pass :func:`settle_checkpointing` its ``info`` and
-    ``warn``."""
-    return lambda message: logger.log(level, "%s", message) if is_rank_zero() else None
+def rank_zero_tellers(logger: logging.Logger) -> tuple[Callable[[str], None], Callable[[str], None]]:
+    """:func:`settle_checkpointing`'s ``info`` and ``warn``: ``logger`` at INFO and WARNING, on rank 0 only."""
+    def teller(level: int) -> Callable[[str], None]:
+        return lambda message: logger.log(level, "%s", message) if is_rank_zero() else None
+    return teller(logging.INFO), teller(logging.WARNING)
 
 
 def settle_checkpointing(target: nn.Module, prefix: str, info: Callable[[str], Any],

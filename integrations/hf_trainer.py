@@ -22,7 +22,6 @@ does not recognise as a bare state dict, which safetensors refuses for tied weig
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from accelerate.hooks import add_hook_to_module
@@ -31,7 +30,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from remat_plugin.errors import RematError
 from remat_plugin.integrations.accelerate import RematHook, RematPlugin, find_hook
-from remat_plugin.integrations.checkpointing import rank_zero_logger, settle_checkpointing
+from remat_plugin.integrations.checkpointing import rank_zero_tellers, settle_checkpointing
 from remat_plugin.runtime.compiled_models import refuse_compiled
 from remat_plugin.runtime.config import ENV_VARIABLES, RematConfig
 from remat_plugin.runtime.reporting import announce
@@ -76,7 +75,7 @@ class RematCallback(TrainerCallback):
             raise RematError(f"{_PREFIX}: the model already has a RematHook; add one RematCallback, and do not also "
                              "call remat_plugin.integrations.accelerate.prepare on it")
         config = self.plugin.to_config()
-        wrapped = settle_checkpointing(model, _PREFIX, *_tellers())
+        wrapped = settle_checkpointing(model, _PREFIX, *rank_zero_tellers(log))
         if wrapped:
             raise RematError(f"{_PREFIX}: the model already uses CheckpointWrapper modules ({', '.join(wrapped[:3])}); "
                              "remove them to let remat_plugin plan, or drop the RematCallback")
@@ -92,7 +91,7 @@ class RematCallback(TrainerCallback):
             return
         self._optimizer = optimizer
         # train() turned the model's own checkpointing on (gradient_checkpointing=True) after on_init_end
-        settle_checkpointing(model, _PREFIX, *_tellers())
+        settle_checkpointing(model, _PREFIX, *rank_zero_tellers(log))
 
 
 def _check_supported(args: TrainingArguments) -> None:
@@ -108,7 +107,3 @@ def _check_supported(args: TrainingArguments) -> None:
         raise RematError(f"{_PREFIX}: torch_compile=True compiles the model, which would run it without the plan; "
                          "use RematCallback(..., compile=True) (REMAT_COMPILE=1) to compile the planned step")
 
-
-def _tellers() -> tuple[Callable[[str], None], Callable[[str], None]]:
-    """:func:`settle_checkpointing`'s ``info`` and ``warn``, on rank 0."""
-    return rank_zero_logger(log, logging.INFO), rank_zero_logger(log, logging.WARNING)

@@ -49,10 +49,10 @@ class _Index:
         self.out_bytes = np.array([sum(int(self.size[v]) for v in x) for x in outs], dtype=np.int64)
         self.temp = np.array([o.temp_bytes for o in problem.ops], dtype=np.int64)
         self.times = np.array([o.time_ms for o in problem.ops], dtype=np.float64)
-        self.is_fwd = np.array([o.is_fwd for o in problem.ops])
+        self.is_fwd = np.array([o.is_fwd for o in problem.ops], dtype=bool)
         self.fwd = np.flatnonzero(self.is_fwd)
         self.fwd_names = tuple(o.name for o in problem.ops if o.is_fwd)
-        self.rerunnable = np.array([o.recomputable or not o.is_fwd for o in problem.ops])
+        self.rerunnable = np.array([o.recomputable or not o.is_fwd for o in problem.ops], dtype=bool)
         self.ops = problem.ops
 
     def gather(self, ids: np.ndarray, start: np.ndarray, count: np.ndarray, flat: np.ndarray):
@@ -106,6 +106,8 @@ def _copy_deaths(idx: _Index, ids: np.ndarray, sequence: tuple[str, ...]) -> tup
     val = np.concatenate([read_val, made_val])
     pos = np.concatenate([read_pos, made_pos])
     is_made = np.concatenate([np.zeros(n_read, dtype=bool), np.ones(len(made_pos), dtype=bool)])
+    if not len(val):  # nothing read or made (a block whose forward is empty)
+        return made_pos, made_val, made_pos.copy()
     # One integer key (value, then position, then made) sorted stably: the order of a lexsort on the three.
     order = np.argsort((val * (len(ids) + 1) + pos) * 2 + is_made, kind="stable")
     made_sorted = is_made[order]

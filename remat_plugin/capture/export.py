@@ -22,6 +22,7 @@ from remat_plugin.capture.autograd_functions import opaque_functions, restore_fu
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
+from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place
 from remat_plugin.capture.joint import JointGraph
@@ -54,7 +55,8 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     draws = HostDraws()
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
-        with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored():
+        with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
+                eager_masks():
             exported = torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,0 +1,61 @@
+"""NOTE [masks under export]: transformers encoders called without a padding mask plan bitwise eager's."""
+import copy
+
+import pytest
+import torch
+
+from remat_plugin import rematerialize
+
+transformers = pytest.importorskip("transformers")
+
+
+def _beit():
+    """BEiT with its relative position bias, to which the exported model added transformers' all-True mask."""
+    torch.manual_seed(0)
+    config = transformers.BeitConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, intermediate_size=64,
+        num_labels=2, use_relative_position_bias=True, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        drop_path_rate=0.1)
+    return transformers.BeitForImageClassification(config).double().train()
+
+
+def _steps(model, batches):
+    grads = []
+    for i, batch in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + i)
+        model(**batch).loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+def test_beit_relative_position_bias_trains_bitwise_at_a_recomputing_budget():
+    """Before: gradients up to 2e-13 off eager's (float64), the bias's scores shifted by the mask's 1.0."""
+    model = _beit()
+    reference = copy.deepcopy(model)
+    batches = [{"pixel_values": torch.randn(2, 3, 32, 32, dtype=torch.float64), "labels": torch.tensor([0, 1])}
+               for _ in range(2)]
+    plan = rematerialize(copy.deepcopy(model), (), batches[0], budget=10**12, verbose=False).plan
+    budget = (plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2
+    rm = rematerialize(model, (), batches[0], budget=budget, verbose=False)
+    assert not rm.plan.fallback and any(b.mode != "keep" for b in rm.plan.blocks)
+    for ours, eager in zip(_steps(rm, batches), _steps(reference, batches)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+
+
+def test_a_padding_mask_is_still_built_under_export():
+    """With a padding mask transformers' own check decides (it would read the mask's values otherwise): BERT
+    with padding plans and trains bitwise."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64)
+    model = transformers.BertForMaskedLM(config).double().train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    rm = rematerialize(model, (), batch, budget=10**12, verbose=False)
+    assert not rm.plan.fallback
+    for ours, eager in zip(_steps(rm, [batch]), _steps(reference, [batch])):
+        assert all(torch.equal(a, b) for a, b in zip(ours, eager))

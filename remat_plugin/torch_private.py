@@ -243,6 +243,27 @@ def _eager_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.T
 
 _AOT_DROPOUT = _decompositions.dropout
 _DROPOUT_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+# NOTE [interpolations in the trace]
+#     Under the tracer's Python dispatcher the linear, bilinear, trilinear and bicubic interpolations run
+#     torch._decomp's Python decompositions (registered for the Autograd and CompositeImplicitAutograd keys)
+#     where eager runs the C++ kernels: a different sum of the same terms, and a backward derived from the
+#     decomposition's gathers.  A float64 2x2 convolution upsampled to 5x7 bilinearly gave a loss 2.8e-17 and
+#     gradients 3.3e-17 off eager's (MobileViT, whose unfolding resizes, 6e-13).  While a step is traced those
+#     Python kernels are set aside, so the trace records the ops eager runs, ``upsample_bilinear2d`` and its
+#     ``upsample_bilinear2d_backward`` among them.  Nearest-neighbour modes gather and match eager already.
+_INTERPOLATIONS = ("upsample_linear1d.vec", "upsample_bilinear2d.vec", "upsample_trilinear3d.vec",
+                   "upsample_bicubic2d.vec", "upsample_bilinear2d.default", "upsample_bicubic2d.default",
+                   "_upsample_bilinear2d_aa.vec", "_upsample_bicubic2d_aa.vec")
+
+
+def _interpolation_ops() -> list[OpOverload]:
+    found = []
+    for name in _INTERPOLATIONS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            found.append(op)
+    return found
 
 
 @contextlib.contextmanager
@@ -253,13 +274,18 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
       the ``torch.autocast`` block, or, with ``backward_autocast``, under the forward's autocast,
       as eager runs one called inside it (the autograd engine carries the caller's autocast state).
     - ``aten.dropout`` decomposes as eager computes it (:func:`_eager_dropout`).
+    - Interpolations run eager's kernels, not torch._decomp's Python ones (NOTE [interpolations in the trace]).
     """
     op = torch.ops.aten.dropout.default
     saved = {k: op.py_kernels.get(k) for k in _DROPOUT_KEYS}
+    set_aside = [(resize, k, resize.py_kernels.pop(k)) for resize in _interpolation_ops() for k in _DROPOUT_KEYS
+                 if k in resize.py_kernels]
     try:
         for k in _DROPOUT_KEYS:
             op.py_kernels[k] = _eager_dropout
         op._dispatch_cache.clear()
+        for resize, _, _ in set_aside:
+            resize._dispatch_cache.clear()
         with torch._functorch.config.patch(backward_pass_autocast="same_as_forward" if backward_autocast else "off"):
             yield
     finally:
@@ -269,6 +295,9 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
             else:
                 op.py_kernels[k] = fn
         op._dispatch_cache.clear()
+        for resize, k, fn in set_aside:
+            resize.py_kernels[k] = fn
+            resize._dispatch_cache.clear()
 
 
 def fake_on_storage(mode: Any, storage: torch.UntypedStorage | None, like: torch.Tensor) -> torch.Tensor:

@@ -191,7 +191,10 @@ def compile_segment(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
 
     ``compile_fx_inner`` is what ``torch.compile`` runs on each graph after AOTAutograd has
     partitioned it: it neither partitions nor recomputes.  The graph is first decomposed with
-    inductor's table, as AOTAutograd would have done for it.
+    inductor's table, as AOTAutograd would have done for it.  Inductor's layout optimization is off:
+    in a graph with convolutions it may hand values on in channels-last order, and the next segment
+    (or an eager op between segments) was traced with the graph's strides (a conv model with bilinear
+    resizes failed inductor's input stride assertion).
     """
     from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import compile_fx_inner
@@ -204,7 +207,8 @@ def compile_segment(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*example)
     decomposed.graph.set_codegen(torch.fx.graph.CodeGen())  # flat arguments and outputs, as inductor expects
     decomposed.recompile()
-    return compile_fx_inner(decomposed, example)
+    with torch._inductor.config.patch(layout_optimization=False):
+        return compile_fx_inner(decomposed, example)
 
 
 def is_compiled_module(module: object) -> bool:

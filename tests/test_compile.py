@@ -42,6 +42,35 @@ def test_compiled_plan_matches_eager_and_stays_under_budget(name):
     assert measured <= budget, (measured, budget)
 
 
+class _ConvResize(torch.nn.Module):
+    """Convolutions and bilinear resizes, dropout between: inductor's layout optimization made a segment hand on a
+    channels-last value the next one was traced contiguous for (its input stride assertion failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.GELU(), torch.nn.Dropout(0.1)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            up = torch.nn.functional.interpolate(block(x), size=(37, 33), mode="bilinear")
+            x = x + torch.nn.functional.interpolate(up, size=x.shape[-2:], mode="bilinear")
+        return x.square().mean()
+
+
+def test_a_compiled_conv_model_keeps_the_traced_strides():
+    torch.manual_seed(0)
+    model, x = _ConvResize(), torch.randn(2, 4, 24, 27)
+    reference = _ConvResize()
+    reference.load_state_dict(model.state_dict())
+    rm = rematerialize(model, (x,), budget=10**12, compile=True, verbose=False)
+    for m in (rm, reference):
+        torch.manual_seed(5)
+        m(x).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-5), (p.grad - q.grad).abs().max()
+
+
 def test_a_compiled_model_is_refused_naming_compile_true():
     bench = build("mlp-chain", seed=0)
     with pytest.raises(RematError, match=r"torch\.compile.*compile=True"):

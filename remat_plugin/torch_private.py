@@ -246,13 +246,13 @@ def _eager_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.T
 
 
 _AOT_DROPOUT = _decompositions.dropout
-_DROPOUT_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
+_PYTHON_KERNEL_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.DispatchKey.Autograd)
 # NOTE [interpolations in the trace]
 #     Under the tracer's Python dispatcher the linear, bilinear, trilinear and bicubic interpolations run
 #     torch._decomp's Python decompositions (registered for the Autograd and CompositeImplicitAutograd keys)
 #     where eager runs the C++ kernels: a different sum of the same terms, and a backward derived from the
-#     decomposition's gathers.  A float64 2x2 convolution upsampled to 5x7 bilinearly gave a loss 2.8e-17 and
-#     gradients 3.3e-17 off eager's (MobileViT, whose unfolding resizes, 6e-13).  While a step is traced those
+#     decomposition's gathers.  A float64 convolution's 9x9 output resized bilinearly to 5x7 gave a loss 2.8e-17
+#     and gradients 3.3e-17 off eager's (MobileViT, whose unfolding resizes, 6e-13).  While a step is traced those
 #     Python kernels are set aside, so the trace records the ops eager runs, ``upsample_bilinear2d`` and its
 #     ``upsample_bilinear2d_backward`` among them.  Nearest-neighbour modes gather and match eager already.
 _INTERPOLATIONS = ("upsample_linear1d.vec", "upsample_bilinear2d.vec", "upsample_trilinear3d.vec",
@@ -281,11 +281,11 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
     - Interpolations run eager's kernels, not torch._decomp's Python ones (NOTE [interpolations in the trace]).
     """
     op = torch.ops.aten.dropout.default
-    saved = {k: op.py_kernels.get(k) for k in _DROPOUT_KEYS}
-    set_aside = [(resize, k, resize.py_kernels.pop(k)) for resize in _interpolation_ops() for k in _DROPOUT_KEYS
+    saved = {k: op.py_kernels.get(k) for k in _PYTHON_KERNEL_KEYS}
+    set_aside = [(resize, k, resize.py_kernels.pop(k)) for resize in _interpolation_ops() for k in _PYTHON_KERNEL_KEYS
                  if k in resize.py_kernels]
     try:
-        for k in _DROPOUT_KEYS:
+        for k in _PYTHON_KERNEL_KEYS:
             op.py_kernels[k] = _eager_dropout
         op._dispatch_cache.clear()
         for resize, _, _ in set_aside:

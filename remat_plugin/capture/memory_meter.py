@@ -340,8 +340,8 @@ def allocator_trace(prof: profile, device: torch.device | str = "cpu", excluding
         collective).  A block whose last reference goes elsewhere is freed unseen and looks alive to the end
         of the session.  gloo's worker thread holds a finished all-gather's work, output buffer included,
         until its loop moves on: when FSDP2's backward drops the buffer first (right after copying it out),
-        the free is gloo's and unseen (gpt2-tiny, 2 ranks under CPU contention: 6.03 MiB from a unit's
-        backward to the step's end, in 5 of 110 steps).  So a block allocated at an address the trace still
+        the free is gloo's and unseen (gpt2-tiny, 2 ranks under CPU contention: 2.46 or 6.03 MiB from a
+        unit's backward to the step's end, in 6 of 300 steps).  So a block allocated at an address the trace still
         holds was freed before, at the latest then; and where the caller names it (``freed_after``), at the
         end of the range that released it.
     """

@@ -191,11 +191,16 @@ def compile_segment(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
 
     ``compile_fx_inner`` is what ``torch.compile`` runs on each graph after AOTAutograd has
     partitioned it: it neither partitions nor recomputes.  The graph is first decomposed with
-    inductor's table, as AOTAutograd would have done for it.  Inductor's layout optimization is off:
+    inductor's table, as AOTAutograd would have done for it, and with torch._decomp's interpolations:
+    the trace kept eager's kernels (NOTE [interpolations in the trace]) where ``torch.compile`` runs
+    their Python decompositions, and inductor has no lowering for them (with ``CI`` set in the
+    environment, as GitHub Actions sets it, inductor refuses to fall back to an op that has a
+    decomposition).  Inductor's layout optimization is off:
     in a graph with convolutions it may hand values on in channels-last order, and the next segment
     (or an eager op between segments) was traced with the graph's strides (a conv model with bilinear
     resizes failed inductor's input stride assertion).
     """
+    from torch._decomp import get_decompositions
     from torch._guards import detect_fake_mode
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
@@ -204,7 +209,8 @@ def compile_segment(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
     example = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     fake_mode = detect_fake_mode(example)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*example)
+        table = {**get_decompositions([op.overloadpacket for op in _interpolation_ops()]), **select_decomp_table()}
+        decomposed = make_fx(gm, decomposition_table=table)(*example)
     decomposed.graph.set_codegen(torch.fx.graph.CodeGen())  # flat arguments and outputs, as inductor expects
     decomposed.recompile()
     with torch._inductor.config.patch(layout_optimization=False):

@@ -31,6 +31,42 @@ def train_step(module, bench, batch, seed: int):
     return loss.detach()
 
 
+def step_grads(model, batches, loss=lambda output: output.loss, first_seed: int = 100) -> list:
+    """One training step per batch (a dict of keyword arguments or a tuple of positional ones), RNG seeded per
+    step, gradients set afresh; each step's parameter gradients."""
+    import torch
+
+    grads = []
+    for i, batch in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(first_seed + i)
+        output = model(**batch) if isinstance(batch, dict) else model(*batch)
+        loss(output).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+def assert_bitwise_at_a_recomputing_budget(model, batches, loss=lambda output: output.loss, first_seed: int = 100):
+    """Plan ``model`` halfway between its smallest feasible budget and its unmodified peak (a plan that
+    recomputes), train ``batches`` on the plan and on a copy of the model as it was: every step's gradients
+    equal bitwise.  Returns the planned module."""
+    import copy
+
+    import torch
+
+    from remat_plugin import rematerialize
+
+    reference = copy.deepcopy(model)
+    args, kwargs = ((), batches[0]) if isinstance(batches[0], dict) else (batches[0], {})
+    plan = rematerialize(copy.deepcopy(model), args, kwargs, budget=10**12, verbose=False).plan
+    budget = (plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2
+    rm = rematerialize(model, args, kwargs, budget=budget, verbose=False)
+    assert not rm.plan.fallback and any(b.mode != "keep" for b in rm.plan.blocks), rm.plan.fallback
+    for ours, eager in zip(step_grads(rm, batches, loss, first_seed), step_grads(reference, batches, loss, first_seed)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+    return rm
+
+
 def assert_same_grads_and_buffers(module, reference, label: str) -> None:
     """Every parameter gradient and buffer of ``module`` equals ``reference``'s bitwise."""
     import torch

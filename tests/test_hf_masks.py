@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from budgets import assert_bitwise_at_a_recomputing_budget, step_grads
 
 from remat_plugin import rematerialize
 
@@ -19,28 +20,11 @@ def _beit():
     return transformers.BeitForImageClassification(config).double().train()
 
 
-def _steps(model, batches):
-    grads = []
-    for i, batch in enumerate(batches):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(100 + i)
-        model(**batch).loss.backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    return grads
-
-
 def test_beit_relative_position_bias_trains_bitwise_at_a_recomputing_budget():
     """Before: gradients up to 2e-13 off eager's (float64), the bias's scores shifted by the mask's 1.0."""
-    model = _beit()
-    reference = copy.deepcopy(model)
     batches = [{"pixel_values": torch.randn(2, 3, 32, 32, dtype=torch.float64), "labels": torch.tensor([0, 1])}
                for _ in range(2)]
-    plan = rematerialize(copy.deepcopy(model), (), batches[0], budget=10**12, verbose=False).plan
-    budget = (plan.baseline_peak_bytes + plan.min_feasible_bytes) // 2
-    rm = rematerialize(model, (), batches[0], budget=budget, verbose=False)
-    assert not rm.plan.fallback and any(b.mode != "keep" for b in rm.plan.blocks)
-    for ours, eager in zip(_steps(rm, batches), _steps(reference, batches)):
-        assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+    assert_bitwise_at_a_recomputing_budget(_beit(), batches)
 
 
 def test_a_padding_mask_is_still_built_under_export():
@@ -57,5 +41,5 @@ def test_a_padding_mask_is_still_built_under_export():
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     rm = rematerialize(model, (), batch, budget=10**12, verbose=False)
     assert not rm.plan.fallback
-    for ours, eager in zip(_steps(rm, [batch]), _steps(reference, [batch])):
+    for ours, eager in zip(step_grads(rm, [batch]), step_grads(reference, [batch])):
         assert all(torch.equal(a, b) for a, b in zip(ours, eager))

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from budgets import step_grads
 from torch import nn
 from torch.nn import functional as F
 
@@ -27,16 +28,6 @@ class _Resizing(nn.Module):
         return F.cross_entropy(self.head(x.mean((2, 3))), labels)
 
 
-def _steps(model, batches):
-    grads = []
-    for i, (x, labels) in enumerate(batches):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(10 + i)
-        model(x, labels).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    return grads
-
-
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
 def test_resizes_train_bitwise_at_a_recomputing_budget(mode):
     """Before: the trace ran torch._decomp's Python resize, float64 gradients ~1e-17 off eager's."""
@@ -50,7 +41,7 @@ def test_resizes_train_bitwise_at_a_recomputing_budget(mode):
     budget = (budget_for_peak(plan.baseline_peak_bytes) + lowest.value.min_feasible_bytes) // 2
     rm = rematerialize(model, batches[0], budget=budget, verbose=False)
     assert not rm.plan.fallback and any(b.mode != "keep" for b in rm.plan.blocks)
-    for ours, eager in zip(_steps(rm, batches), _steps(reference, batches)):
+    for ours, eager in zip(*(step_grads(m, batches, lambda loss: loss, 10) for m in (rm, reference))):
         assert all(torch.equal(a, b) for a, b in zip(ours, eager))
 
 

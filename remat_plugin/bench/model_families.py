@@ -2,6 +2,9 @@
 
 - ``llama-tiny`` / ``mistral-tiny``: HF decoder-only LMs with rotary tables, grouped-query attention and
   an ``attention_mask`` that pads the end of some sequences.
+- ``mixtral-tiny``: the same with a mixture of experts in each layer (4 experts, 2 per token, routed by
+  transformers' ``grouped_mm`` experts, its default) and the router's load-balancing loss added, as MoE
+  models are trained.
 - ``t5-tiny``: HF T5 encoder-decoder: relative position bias, cross-attention over the encoder output,
   padding masks on both sides.
 - ``unet-tiny``: a small conv U-Net with long skips (concatenated), BatchNorm and a Dropout2d bottleneck.
@@ -30,13 +33,13 @@ def padding_mask(batch_size: int, seq_len: int, gen: torch.Generator) -> torch.T
 
 
 def _decoder_lm(family: str, n_layer: int, batch_size: int, seq_len: int, dtype: torch.dtype, seed: int,
-                device: torch.device | str) -> BenchModel:
+                device: torch.device | str, **config_kwargs: Any) -> BenchModel:
     import transformers  # optional dependency; only these models need it
 
     config = getattr(transformers, f"{family}Config")(
         num_hidden_layers=n_layer, hidden_size=128, intermediate_size=344, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=max(256, seq_len), use_cache=False,
-        attention_dropout=0.1, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        attention_dropout=0.1, bos_token_id=0, eos_token_id=1, pad_token_id=2, **config_kwargs,
     )
     with seeded(seed):
         module = getattr(transformers, f"{family}ForCausalLM")(config).to(device=device, dtype=dtype).train()
@@ -70,6 +73,18 @@ def mistral_tiny(n_layer: int = 4, batch_size: int = 4, seq_len: int = 128, dtyp
                  seed: int = 0, device: torch.device | str = "cpu") -> BenchModel:
     """``MistralForCausalLM`` with the same sizes as llama-tiny (sliding-window attention in its mask)."""
     return _decoder_lm("Mistral", n_layer, batch_size, seq_len, dtype, seed, device)
+
+
+def mixtral_tiny(n_layer: int = 4, batch_size: int = 4, seq_len: int = 128, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, device: torch.device | str = "cpu", experts: str = "grouped_mm") -> BenchModel:
+    """``MixtralForCausalLM`` with llama-tiny's sizes, 4 experts of 344 wide, 2 per token, the router's
+    load-balancing loss in ``.loss`` (``output_router_logits=True``).
+
+    ``experts`` is transformers' experts implementation: ``grouped_mm`` (its default) has no float64 kernel
+    on the CPU; ``batched_mm`` has.
+    """
+    return _decoder_lm("Mixtral", n_layer, batch_size, seq_len, dtype, seed, device, num_local_experts=4,
+                       num_experts_per_tok=2, output_router_logits=True, experts_implementation=experts)
 
 
 def t5_tiny(n_layer: int = 2, batch_size: int = 4, seq_len: int = 128, dtype: torch.dtype = torch.float32,

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from remat_plugin.bench.bench_model import Batch, BenchModel, generator, seeded
-from remat_plugin.bench.model_families import llama_tiny, mistral_tiny, padding_mask, t5_tiny, unet_tiny
+from remat_plugin.bench.model_families import llama_tiny, mistral_tiny, mixtral_tiny, padding_mask, t5_tiny, unet_tiny
 
 __all__ = [
-    "ALL_MODELS", "GPU_MODELS", "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_small", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mlp_chain", "resnet_tiny",
+    "ALL_MODELS", "GPU_MODELS", "MODELS", "BenchModel", "bert_tiny", "build", "gpt2_small", "gpt2_tiny", "llama_tiny", "mistral_tiny", "mixtral_tiny", "mlp_chain", "resnet_tiny",
     "t5_tiny", "unet_tiny",
 ]  # fmt: skip
 
@@ -296,6 +296,7 @@ MODELS: dict[str, Callable[..., BenchModel]] = {
     "resnet-tiny": resnet_tiny,
     "llama-tiny": llama_tiny,
     "mistral-tiny": mistral_tiny,
+    "mixtral-tiny": mixtral_tiny,
     "t5-tiny": t5_tiny,
     "unet-tiny": unet_tiny,
 }

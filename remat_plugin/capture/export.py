@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -49,6 +50,14 @@ from remat_plugin.torch_private import (
 log = logging.getLogger(__name__)
 
 
+def _eager_experts(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs transformers' eager experts loop: a method of a module its experts decorator built
+    (``_is_expert_parallel`` is the decorator's) with the ``eager`` implementation."""
+    module = frame.f_locals.get("self") if frame is not None else None
+    return hasattr(module, "_is_expert_parallel") and \
+        getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
+
+
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
@@ -82,6 +91,10 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             if read:
                 hint = (f" (that line reads the values of {read[0]!r}, which a traced graph cannot depend on: call the "
                         f"model without {read[0]}=... and compute what needs it, such as the loss, from its outputs)")
+            elif _eager_experts(user[-1] if user else None):
+                hint = (" (transformers' eager experts loop over the experts a batch routes to, a data-dependent "
+                        "count: build the model with experts_implementation=\"grouped_mm\" or \"batched_mm\", "
+                        "whose sizes do not depend on the routing)")
         raise CaptureError(
             f"remat_plugin.capture: torch.export could not capture {type(module).__name__}{where}: "
             f"{type(exc).__name__}: {first}{hint}"

@@ -102,6 +102,48 @@ def _make_input(val: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
+# NOTE [group offsets]
+#     A grouped matrix product (``aten._grouped_mm``; transformers' ``grouped_mm_fallback`` for mixture-of-experts
+#     layers, and its backward) multiplies each group of rows by its own weight, the groups' ends given by an
+#     integer tensor ``offs``.  The zeros generated for integer inputs made every group empty: the op did no work,
+#     so a mixture-of-experts layer's expert products were timed at 0.3 ms where they take 1.7 ms (transformers'
+#     op, 4 experts of 344 on 1,024 routed rows) and ``aten._grouped_mm`` 350x too fast, and the plan recomputed
+#     them as if free (mixtral-tiny at half its peak: predicted 1.04x, measured 1.24x).  A generated ``offs`` (by
+#     its schema name) now splits the grouped dimension evenly: the total work does not depend on how the router
+#     splits the rows, only on how many there are.
+_OFFSET_NAMES = ("offs", "offsets")
+
+
+def _grouped_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The dimension ``offs`` splits in ``_grouped_mm(a, b, offs)``: a's rows against stacked weights (2-D x 3-D),
+    b's columns (3-D x 2-D), or the shared dimension (2-D x 2-D, a weight gradient)."""
+    if a.dim() == 2 and b.dim() == 2:
+        return int(a.shape[1])
+    if a.dim() == 3 and b.dim() == 2:
+        return int(b.shape[-1])
+    return int(a.shape[0])
+
+
+def _even_group_offsets(target, node: fx.Node, args: tuple, kwargs: dict, real: dict[str, torch.Tensor]) -> None:
+    """Fill a generated ``offs`` argument with evenly split group ends (NOTE [group offsets])."""
+    if not isinstance(target, OpOverload) or len(args) < 2:
+        return
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() in (2, 3) and b.dim() in (2, 3)):
+        return  # not a grouped product of matrices (``embedding_bag``'s offsets index its 1-D indices)
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name not in _OFFSET_NAMES:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        source = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point
+                or value.dtype == torch.bool or (isinstance(source, fx.Node) and source.name in real)):
+            continue
+        groups, length = value.numel(), _grouped_length(a, b)
+        ends = torch.arange(1, groups + 1, dtype=torch.int64) * length // max(groups, 1)
+        value.copy_(ends.to(value.device, value.dtype))
+
+
 def _writes_inputs(target) -> bool:
     """True if the op may write into one of its arguments (then it never gets the real tensors)."""
     if not isinstance(target, OpOverload):
@@ -144,6 +186,7 @@ def _run_once(node: fx.Node, device: torch.device, real: dict[str, torch.Tensor]
         return v
 
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), materialize)
+    _even_group_offsets(node.target, node, args, kwargs, real)
     return node.target, args, kwargs
 
 

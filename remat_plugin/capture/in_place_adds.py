@@ -11,6 +11,15 @@ NOTE [in-place adds]
     ``b.add_(a)`` is bit for bit ``a + b``.  The planner's memory model is untouched: it
     counts a new tensor for the sum, so the step only ever uses less than it predicts.
     Planned programs run by inductor are left functional.
+
+    The sum's strides are those traced, and a folded tangent (NOTE [dropped tangents]) can make them
+    stale: ``add_if_given`` returns the gradient itself where the trace added a tangent to it, so it
+    runs laid out as that gradient, and so does everything computed elementwise from it.  CLIP's
+    similarity reaches its loss directly and transposed, and the transposed gradient is the one its
+    output's tangent was traced onto: the trace's sum was row-major, eager's (and the folded graph's,
+    run out of place) column-major.  Written into the row-major operand, the logit scale's gradient
+    summed in another order, one unit in the last place off eager's in half the batches.  An add
+    whose operands or result may run with other strides than traced stays out of place.
 """
 from __future__ import annotations
 
@@ -20,12 +29,15 @@ import operator
 import torch
 from torch import fx
 
+from remat_plugin.capture.dropped_tangents import add_if_given
 from remat_plugin.capture.switches import CaptureSwitch
 from remat_plugin.torch_private import OpOverload
 
 _ADD = torch.ops.aten.add.Tensor
 _ADD_ = torch.ops.aten.add_.Tensor
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
+# Results laid out the same whatever their inputs' strides (row-major)
+_FRESH_LAYOUT = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
 _rewriting = CaptureSwitch()
 
 
@@ -40,8 +52,11 @@ def add_in_place(gm: fx.GraphModule) -> int:
     if not _rewriting.on:
         return 0
     rewritten: set[fx.Node] = set()
+    unsettled = _unsettled_layouts(gm)
     for node in gm.graph.find_nodes(op="call_function", target=_ADD):
         if node.kwargs or len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+            continue
+        if node in unsettled or any(a in unsettled for a in node.args):
             continue
         a, b = node.args
         for into, other in ((a, b), (b, a)):
@@ -52,6 +67,28 @@ def add_in_place(gm: fx.GraphModule) -> int:
     if rewritten:
         gm.recompile()
     return len(rewritten)
+
+
+def _unsettled_layouts(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes that may run with other strides than traced (NOTE [in-place adds]): each folded tangent add whose
+    gradient was traced with other strides than the sum, and what is computed from it up to an op whose
+    result's layout does not follow its inputs' (a matrix product, a vector or scalar)."""
+    stack = [n for n in gm.graph.find_nodes(op="call_function", target=add_if_given)
+             if isinstance(n.args[0], fx.Node) and _strides(n.args[0]) != _strides(n)]
+    unsettled: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in unsettled:
+            continue
+        unsettled.add(node)
+        stack.extend(user for user in node.users if user.target not in _FRESH_LAYOUT and _strides(user) is not None
+                     and len(_strides(user) or ()) > 1)
+    return unsettled
+
+
+def _strides(node: fx.Node) -> tuple[int, ...] | None:
+    value = node.meta.get("val")
+    return tuple(value.stride()) if isinstance(value, torch.Tensor) else None
 
 
 def _dies_here(value: fx.Node, add: fx.Node, rewritten: set[fx.Node]) -> bool:

@@ -33,6 +33,7 @@ from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
+from remat_plugin.capture.tensor_checks import opaque_tensor_checks
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
@@ -100,7 +101,9 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             f"{type(exc).__name__}: {first}{hint}"
         ) from exc
     draws.check(type(module).__name__)  # NOTE [host random draws]
-    return restore_functions(exported.module())
+    gm = restore_functions(exported.module())
+    opaque_tensor_checks(gm)  # NOTE [tensor checks]
+    return gm
 
 
 # NOTE [untraceable graphs]

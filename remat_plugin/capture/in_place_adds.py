@@ -81,8 +81,7 @@ def _unsettled_layouts(gm: fx.GraphModule) -> set[fx.Node]:
         if node in unsettled:
             continue
         unsettled.add(node)
-        stack.extend(user for user in node.users if user.target not in _FRESH_LAYOUT and _strides(user) is not None
-                     and len(_strides(user) or ()) > 1)
+        stack.extend(user for user in node.users if user.target not in _FRESH_LAYOUT and len(_strides(user) or ()) > 1)
     return unsettled
 
 

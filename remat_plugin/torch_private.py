@@ -310,6 +310,17 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
             resize._dispatch_cache.clear()
 
 
+def unbacked_reads_ignored(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+    """While export traces a call on these fake tensors, a value it reads (a tensor check, NOTE [tensor checks])
+    makes a number nothing returns: export refuses such pending numbers, unless its shape environment is told
+    to let them be (a traced-once layer's fingerprint only wants the outputs' metadata)."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(tensors)
+    shape_env = getattr(mode, "shape_env", None)
+    return shape_env.ignore_fresh_unbacked_symbols() if shape_env is not None else contextlib.nullcontext()
+
+
 def fake_on_storage(mode: Any, storage: torch.UntypedStorage | None, like: torch.Tensor) -> torch.Tensor:
     """A fake tensor of ``mode`` shaped like ``like`` (size, strides, offset, dtype, device) on ``storage`` (a meta
     or fake storage; None: a new one of ``like``'s storage size).  Built on the meta device and wrapped, not

@@ -70,3 +70,39 @@ def test_llava_plans_exact_and_checks_its_image_tokens():
         reference(**short)
     with pytest.raises(ValueError, match=r"a check in the model's forward failed.*modeling_llava\.py"):
         rm(**short)
+
+
+class _CheckedLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.dropout = nn.Linear(16, 64), nn.Linear(64, 16), nn.Dropout(0.1)
+
+    def forward(self, x, mask):
+        torch._check_tensor_all(mask.sum(-1) > 0, lambda: "each row needs a token")
+        return x + self.down(self.dropout(torch.relu(self.up(x)))) * mask[..., None]
+
+
+class _CheckedLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_CheckedLayer() for _ in range(4))
+
+    def forward(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return x.square().mean()
+
+
+def test_checks_inside_repeated_layers_keep_them_traced_once(caplog):
+    """A layer's check read a value while its fingerprint ran under export: the pending number failed the export
+    of the model with opaque layers, and every layer was traced (said in the log)."""
+    torch.manual_seed(0)
+    model = _CheckedLayers().double()
+    batches = [(torch.randn(8, 32, 16, dtype=torch.float64), torch.ones(8, 32, dtype=torch.float64))
+               for _ in range(2)]
+    with caplog.at_level("WARNING", logger="remat_plugin"):
+        rm = assert_bitwise_at_a_recomputing_budget(model, batches, loss=lambda loss: loss)
+    assert "could not be traced once" not in caplog.text
+    x, mask = batches[0]
+    with pytest.raises(ValueError, match=r"a check in the model's forward failed.*test_tensor_checks\.py"):
+        rm(x, mask.index_fill(0, torch.tensor([3]), 0.0))

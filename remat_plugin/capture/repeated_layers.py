@@ -52,6 +52,7 @@ from remat_plugin.torch_private import (
     autocast_as,
     autocast_settings,
     pytree,
+    unbacked_reads_ignored,
 )
 
 log = logging.getLogger(__name__)
@@ -305,7 +306,8 @@ class RepeatedLayers:
         known.update({id(t): ("input", i) for i, t in enumerate(inputs)})
         args, kwargs = _unflatten_inputs(call, inputs)
         names = self.param_names
-        with _running_own_forward(), autocast_as(call.autocast), _Fingerprint(known) as recorder:
+        with _running_own_forward(), autocast_as(call.autocast), _Fingerprint(known) as recorder, \
+                unbacked_reads_ignored([*params, *inputs]):
             out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
                                              strict=True)
         out_leaves, call.out_spec = pytree.tree_flatten(out)

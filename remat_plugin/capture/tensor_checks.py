@@ -9,7 +9,10 @@ NOTE [tensor checks]
     ``remat_plugin::check_all_true(cond, where)``: while tracing it reads nothing; when the step runs it
     reads the condition, as eager does (one host sync), and raises ``ValueError`` naming the model's line
     when it is False.  The message the model gave is not in the exported graph (export keeps only its
-    assertion); the line is.  Other scalar reads (``x.item()`` used as a size) stay untraceable.
+    assertion); the line is.  Other scalar reads (``x.item()`` used as a size) stay untraceable.  A check
+    inside a repeated layer read its value again while the layer's fingerprint ran under the model's
+    export, which refused the number nothing returned, and every layer was traced; the fingerprint now
+    lets such numbers be (``torch_private.unbacked_reads_ignored``), so the layers are traced once.
 """
 from __future__ import annotations
 

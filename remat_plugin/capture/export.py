@@ -33,7 +33,7 @@ from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
-from remat_plugin.capture.tensor_checks import opaque_tensor_checks
+from remat_plugin.capture.tensor_checks import opaque_tensor_checks, traced_line
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
@@ -128,9 +128,8 @@ def untraceable(exc: Exception, exported: torch.fx.GraphModule | None, model: st
         line = linecache.getline(generated.tb_frame.f_code.co_filename, generated.tb_lineno).strip()
         name = line.split(" = ", 1)[0].split(",")[0].strip() if " = " in line else ""
         node = next((n for n in exported.graph.nodes if n.name == name), None)
-        trace = (node.meta.get("stack_trace") or "").strip().splitlines() if node is not None else []
-        source = [t.strip() for t in trace if t.strip().startswith("File ")]
-        where = f" at {source[-1]}" if source else f" at `{line[:200]}`"
+        source = traced_line(node) if node is not None else None
+        where = f" at {source}" if source else f" at `{line[:200]}`"
     hint = ""
     if "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__ or \
             "data-dependent" in first:

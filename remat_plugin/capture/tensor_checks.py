@@ -86,7 +86,12 @@ def _is_scalar_op(target) -> bool:
         or getattr(target, "__name__", "").startswith("sym_")
 
 
-def _where(item: fx.Node) -> str:
-    trace = (item.meta.get("stack_trace") or "").strip().splitlines()
+def traced_line(node: fx.Node) -> str | None:
+    """The model's line ``node`` was traced from (its stack trace's innermost ``File ...``), if export kept it."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     lines = [t.strip() for t in trace if t.strip().startswith("File ")]
-    return lines[-1] if lines else "a torch._check_tensor_all"
+    return lines[-1] if lines else None
+
+
+def _where(item: fx.Node) -> str:
+    return traced_line(item) or "a torch._check_tensor_all"

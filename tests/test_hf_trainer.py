@@ -104,6 +104,13 @@ def test_bf16_trainer_is_bitwise_the_run_without_it(tmp_path, caplog):
         assert torch.equal(p, q), name
 
 
+# A gloo rank can die at exit with SIGABRT after libstdc++'s "terminate called without an active exception" (README
+# Known limits; tests/test_fsdp.py retries its launches alike): a CI run of 2026-11-27 met it here, after both ranks
+# had trained.  A launch that dies that way, and only that way, is run again, up to RETRIES more times.
+_NATIVE_ABORT = "terminate called without an active exception"
+RETRIES = 2
+
+
 def _launch(tmp_path, name: str, env_extra: dict[str, str]) -> list[dict]:
     """Both ranks' results of ``tests/launch_scripts/hf_trainer_ddp.py`` under ``accelerate launch``."""
     root = Path(__file__).resolve().parents[1]
@@ -118,6 +125,10 @@ def _launch(tmp_path, name: str, env_extra: dict[str, str]) -> list[dict]:
                "--num_machines", "1", "--main_process_port", str(port),
                str(root / "tests" / "launch_scripts" / "hf_trainer_ddp.py"), str(out)]
     proc = subprocess.run(command, cwd=root, env=env, check=False, capture_output=True, text=True, timeout=240)
+    for _ in range(RETRIES):
+        if proc.returncode == 0 or _NATIVE_ABORT not in proc.stderr:  # see _NATIVE_ABORT: again, and only for that
+            break
+        proc = subprocess.run(command, cwd=root, env=env, check=False, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "profiler session is recording" not in proc.stderr and "torch.autocast block" not in proc.stderr
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -267,13 +267,86 @@ _INTERPOLATIONS = ("upsample_linear1d.vec", "upsample_bilinear2d.vec", "upsample
 
 
 def _interpolation_ops() -> list[OpOverload]:
+    return _overloads(_INTERPOLATIONS)
+
+
+# NOTE [recurrent layers in the trace]
+#     torch._decomp's Python kernels for multi-layer ``lstm``, ``gru``, ``rnn_tanh`` and ``rnn_relu``
+#     (registered for the Autograd and CompositeImplicitAutograd keys, so the tracer's Python dispatcher runs
+#     them) zero the dropout between layers: ``dropout if (train and num_layers < i - 1) else 0.0`` never
+#     holds (torch 2.13 and 2.14).  A 3-layer ``nn.LSTM(dropout=0.3)`` in training was traced without its
+#     dropouts: the planned step trained another model, its gradients 1e-3 off eager's, silently.
+#     On CPU the trace now runs eager's own C++ composite kernel instead (``_op_dk``), which records the ops
+#     eager runs, its dropout between layers included: bitwise eager's for float64 LSTMs and plain RNNs.  oneDNN is
+#     switched off for that call: its ``mkldnn_rnn_layer`` (eager's float32 LSTM) returns the workspace its backward
+#     reads only under grad mode, which the step's programs run without; a float32 LSTM is traced as the composite's
+#     ops, 4e-9 off eager's oneDNN layer.  A GRU's gates, computed in place on strided chunks by eager, are computed
+#     on contiguous tensors in the functionalized trace, where CPU's sigmoid can round otherwise (1 ulp).
+#     Elsewhere (cuDNN draws its dropout from a state of its own, which a recomputation could not replay) the
+#     Python kernel runs one layer at a time, with ``aten.dropout`` between layers as eager applies it, so those
+#     dropouts are drawn and replayed as every other dropout of the step.
+_RECURRENT = ("lstm.input", "lstm.data", "gru.input", "gru.data", "rnn_tanh.input", "rnn_tanh.data",
+              "rnn_relu.input", "rnn_relu.data")
+_RECURRENT_IN_EAGER_KERNEL = ("cpu",)  # devices whose trace runs eager's C++ kernel (a test empties it)
+
+
+def _overloads(names: tuple[str, ...]) -> list[OpOverload]:
     found = []
-    for name in _INTERPOLATIONS:
+    for name in names:
         packet, overload = name.split(".")
         op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
         if op is not None:
             found.append(op)
     return found
+
+
+def _recurrent_kernel(op: OpOverload, python_kernel: Callable) -> Callable:
+    """``op``'s kernel while a step is traced (NOTE [recurrent layers in the trace])."""
+    packed = op._overloadname == "data"  # (data, batch_sizes, hx, params, ...) instead of (input, hx, params, ...)
+
+    def kernel(*args):
+        if args[0].device.type in _RECURRENT_IN_EAGER_KERNEL:
+            enabled = torch._C._get_mkldnn_enabled()
+            torch._C._set_mkldnn_enabled(False)  # oneDNN's layer keeps its workspace only under grad mode
+            try:
+                return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args)
+            finally:
+                torch._C._set_mkldnn_enabled(enabled)
+        num_layers, dropout, train = args[5:8] if packed else args[4:7]
+        if not (train and dropout > 0 and num_layers > 1):
+            return python_kernel(*args)
+        return _layer_by_layer(python_kernel, args, packed)
+
+    return kernel
+
+
+def _layer_by_layer(python_kernel: Callable, args: tuple, packed: bool) -> tuple:
+    """A multi-layer recurrent op as one call per layer, ``aten.dropout`` between them (as eager's C++ applies it:
+    to each layer's output but the last, sequence-major)."""
+    first = 2 if packed else 1
+    x, hx, params, has_biases, num_layers, dropout, train, bidirectional = args[first - 1 : first + 7]
+    batch_first = False if packed else args[first + 7]
+    directions = 2 if bidirectional else 1
+    per_layer = len(params) // num_layers
+    states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    if batch_first:
+        x = x.transpose(0, 1)
+    finals: list[list[torch.Tensor]] = [[] for _ in states]
+    for layer in range(num_layers):
+        layer_states = [s[layer * directions : (layer + 1) * directions] for s in states]
+        layer_hx = layer_states if isinstance(hx, (list, tuple)) else layer_states[0]
+        layer_params = params[layer * per_layer : (layer + 1) * per_layer]
+        head = (x, args[1]) if packed else (x,)
+        tail = () if packed else (False,)
+        out = python_kernel(*head, layer_hx, layer_params, has_biases, 1, 0.0, train, bidirectional, *tail)
+        x = out[0]
+        for found, state in zip(finals, out[1:]):
+            found.append(state)
+        if layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    if batch_first:
+        x = x.transpose(0, 1)
+    return (x, *(torch.cat(found, 0) for found in finals))
 
 
 @contextlib.contextmanager
@@ -285,17 +358,23 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
       as eager runs one called inside it (the autograd engine carries the caller's autocast state).
     - ``aten.dropout`` decomposes as eager computes it (:func:`_eager_dropout`).
     - Interpolations run eager's kernels, not torch._decomp's Python ones (NOTE [interpolations in the trace]).
+    - Multi-layer recurrent ops keep their dropout between layers (NOTE [recurrent layers in the trace]).
     """
     op = torch.ops.aten.dropout.default
     saved = {k: op.py_kernels.get(k) for k in _PYTHON_KERNEL_KEYS}
     set_aside = [(resize, k, resize.py_kernels.pop(k)) for resize in _interpolation_ops() for k in _PYTHON_KERNEL_KEYS
                  if k in resize.py_kernels]
+    recurrent = [(rnn, k, rnn.py_kernels[k]) for rnn in _overloads(_RECURRENT) for k in _PYTHON_KERNEL_KEYS
+                 if k in rnn.py_kernels]
     try:
         for k in _PYTHON_KERNEL_KEYS:
             op.py_kernels[k] = _eager_dropout
         op._dispatch_cache.clear()
         for resize, _, _ in set_aside:
             resize._dispatch_cache.clear()
+        for rnn, k, python_kernel in recurrent:
+            rnn.py_kernels[k] = _recurrent_kernel(rnn, python_kernel)
+            rnn._dispatch_cache.clear()
         with torch._functorch.config.patch(backward_pass_autocast="same_as_forward" if backward_autocast else "off"):
             yield
     finally:
@@ -305,9 +384,9 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
             else:
                 op.py_kernels[k] = fn
         op._dispatch_cache.clear()
-        for resize, k, fn in set_aside:
-            resize.py_kernels[k] = fn
-            resize._dispatch_cache.clear()
+        for replaced, k, kernel in set_aside + recurrent:
+            replaced.py_kernels[k] = kernel
+            replaced._dispatch_cache.clear()
 
 
 def unbacked_reads_ignored(tensors: list[torch.Tensor]) -> contextlib.AbstractContextManager[None]:

@@ -11,6 +11,7 @@ import linecache
 import logging
 import re
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -59,6 +60,9 @@ def _eager_experts(frame: FrameType | None) -> bool:
         getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
 
 
+_RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
+
+
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
@@ -66,7 +70,9 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
-                eager_masks():
+                eager_masks(), warnings.catch_warnings():
+            # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
+            warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
             exported = torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -39,6 +39,7 @@ from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
     InputMutationAOTOutput,
+    OpOverload,
     PlainAOTInput,
     aot_function,
     is_tangent,
@@ -108,8 +109,36 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
         ) from exc
     draws.check(type(module).__name__)  # NOTE [host random draws]
     gm = restore_functions(exported.module())
+    _refuse_parameter_updates(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]
     return gm
+
+
+def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:
+    """A forward that writes into a parameter through a detached alias (``nn.Embedding(max_norm=...)`` renormalizes
+    the rows it looks up) cannot run as a traced step: AOTAutograd writes the update back into the parameter where
+    autograd forbids it, and the step failed with autograd's bare "a leaf Variable that requires grad is being used in
+    an in-place operation".  It is refused at capture, naming the op and the model's line."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, OpOverload) or not node.args:
+            continue
+        first = target._schema.arguments[0]
+        alias = node.args[0]
+        if not (first.alias_info is not None and first.alias_info.is_write and isinstance(alias, torch.fx.Node)
+                and alias.target is torch.ops.aten.detach.default and isinstance(alias.args[0], torch.fx.Node)
+                and alias.args[0].op == "get_attr"):
+            continue
+        value: Any = gm
+        for part in str(alias.args[0].target).split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, nn.Parameter) and value.requires_grad:
+            line = traced_line(node)
+            raise CaptureError(
+                f"remat_plugin.capture: {model}'s forward writes into its parameter {alias.args[0].target} in place "
+                f"({target}{' at ' + line if line else ''}; nn.Embedding(max_norm=...) does so), which a planned step "
+                "cannot replay: renormalize the weight outside the forward (under torch.no_grad(), before the step) "
+                "and build the module without max_norm")
 
 
 # NOTE [untraceable graphs]

@@ -334,6 +334,15 @@ def test_a_line_reading_an_argument_s_values_is_named_with_the_fix():
     assert rematerialize(_ChecksItsLabels(), (x,), budget=10**9, verbose=False).plan is not None
 
 
+def test_a_failing_torch_nn_line_is_named_with_the_fix():
+    """A model that fails inside a torch.nn module gets that module's line beside its own, and BatchNorm's
+    cumulative average (momentum=None, a buffer's value read every step) gets the fix."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None))
+    with pytest.raises(CaptureError, match=r"inside torch/nn/modules/batchnorm\.py:\d+: .*num_batches_tracked.*"
+                                           r"give it a momentum"):
+        rematerialize(model, (torch.randn(4, 8),), budget=10**9)
+
+
 class _BranchyLayers(nn.Module):
     """Data-dependent control flow at the top, a ModuleList of BatchNorm+dropout layers inside."""
 

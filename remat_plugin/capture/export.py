@@ -61,6 +61,7 @@ def _eager_experts(frame: FrameType | None) -> bool:
         getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
 
 
+_TORCH_NN = "site-packages/torch/nn/"
 _RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
 
 
@@ -89,10 +90,22 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             f = user[-1]
             where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
             line = linecache.getline(f.f_code.co_filename, f.f_lineno)
+        library = [f for f in frames[frames.index(user[-1]) + 1 if user else 0 :] if _TORCH_NN in f.f_code.co_filename]
+        inner = library_line = ""
+        if library:  # the torch.nn module line that failed, beneath the model's (a BatchNorm's, a loss's)
+            f = library[-1]
+            code = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+            inner = f", inside torch/nn/{f.f_code.co_filename.split(_TORCH_NN)[-1]}:{f.f_lineno}: {code}"
+            library_line = code
+        where += inner
         hint = ""
         if "cache_utils" in first or "Cache'> in output" in first:
             hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
                     "for it; call the model with use_cache=False)")
+        elif "num_batches_tracked" in library_line:
+            hint = (" (a BatchNorm built with momentum=None averages its statistics by its batch count, a buffer's "
+                    "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "
+                    "the default 0.1)")
         elif "data-dependent" in first or "DataDependent" in type(exc).__name__:
             read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
                     and re.search(rf"\b{re.escape(name)}\b", line)]

@@ -35,6 +35,7 @@ from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_lo
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
 from remat_plugin.capture.tensor_checks import opaque_tensor_checks, traced_line
+from remat_plugin.capture.tensor_hooks import ForwardHooks
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
@@ -68,11 +69,11 @@ _RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
-    draws = HostDraws()
+    draws, hooks = HostDraws(), ForwardHooks()
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
-                eager_masks(), warnings.catch_warnings():
+                eager_masks(), hooks.recorded(), warnings.catch_warnings():
             # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
             exported = torch.export.export(module, args, kwargs, strict=False)
@@ -121,6 +122,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             f"{type(exc).__name__}: {first}{hint}"
         ) from exc
     draws.check(type(module).__name__)  # NOTE [host random draws]
+    hooks.check(type(module).__name__)  # NOTE [hooks in the forward]
     gm = restore_functions(exported.module())
     _refuse_parameter_updates(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]

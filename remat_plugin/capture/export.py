@@ -124,9 +124,40 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     draws.check(type(module).__name__)  # NOTE [host random draws]
     hooks.check(type(module).__name__)  # NOTE [hooks in the forward]
     gm = restore_functions(exported.module())
+    gm.meta[MUTATED_INPUTS_META] = _mutated_inputs(exported)
     _refuse_parameter_updates(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]
     return gm
+
+
+MUTATED_INPUTS_META = "remat_plugin.mutated_inputs"  # flat positions of the call's tensors the forward writes into
+
+
+# NOTE [inputs written by the forward]
+#     A forward may write into a tensor it is given (``mask.mul_(2)``).  Runs made only to plan or to meter
+#     the step (NOTE [calibration]) restore buffers and the RNG, but did not restore such an input: the caller's
+#     first step ran on an input the metered run had already written into (a mask doubled twice, the loss and
+#     gradients not eager's).  Export keeps those writes as in-place ops on the input's placeholder (or a view of
+#     it); their flat positions in the call are kept with the exported module, and those runs restore them.
+def _mutated_inputs(exported: torch.export.ExportedProgram) -> frozenset[int]:
+    """Flat positions, among the call's arguments, of the tensors the exported forward writes into."""
+    user = [spec.arg.name for spec in exported.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
+    position = {name: i for i, name in enumerate(user)}
+    found: set[int] = set()
+    for node in exported.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, OpOverload):
+            continue
+        for arg, value in zip(target._schema.arguments, node.args):
+            if not (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node)):
+                continue
+            while value.op == "call_function" and isinstance(value.target, OpOverload) and value.args and \
+                    value.target._schema.returns and value.target._schema.returns[0].alias_info is not None and \
+                    isinstance(value.args[0], torch.fx.Node):
+                value = value.args[0]  # through views to the tensor they look at
+            if value.op == "placeholder" and value.name in position:
+                found.add(position[value.name])
+    return frozenset(found)
 
 
 def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:

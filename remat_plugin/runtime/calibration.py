@@ -35,7 +35,7 @@ from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
-from remat_plugin.runtime.steps import PlannedStep
+from remat_plugin.runtime.steps import PlannedStep, written_inputs
 from remat_plugin.torch_private import autocast_disabled, pytree, suspended_user_modes
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
     try:
         # The allocator's own events on CPU and CUDA alike: unlike max_memory_allocated, reading them resets
         # none of the caller's peak statistics.
-        with suspended_user_modes(), unobserved(module, call.device), memory_profile(cuda=call.device.type == "cuda") as prof:
+        with suspended_user_modes(), unobserved(module, call.device, written_inputs(step.run, call.args, call.kwargs)), \
+                memory_profile(cuda=call.device.type == "cuda") as prof:
             ran = run()
         peak = allocator_trace(prof, call.device).peak_rise()[0]
     except RuntimeError as exc:  # a hook of the caller's may refuse autograd.grad: metering is ours, not the step

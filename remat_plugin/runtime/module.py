@@ -23,7 +23,7 @@ from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call, device_of
-from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches
+from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, written_inputs
 from remat_plugin.runtime.store import PlanStore
 from remat_plugin.torch_private import suspended_user_modes
 
@@ -124,7 +124,8 @@ class RematModule(nn.Module):
         with self._planned_call(args, kwargs) as (call, budget):
             step = self._resolver.step_for(call, budget)
             if not step.checked:
-                with suspended_user_modes(), unobserved(self.original, call.device), step.planning_only():  # it plans
+                written = written_inputs(step.run, call.args, call.kwargs)
+                with suspended_user_modes(), unobserved(self.original, call.device, written), step.planning_only():
                     self._resolver.run(call, step, budget)
         self._resolver.latest = self._resolver.steps[call.key]
         plan = self._resolver.latest.plan

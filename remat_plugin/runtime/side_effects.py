@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -21,7 +21,20 @@ def restored_buffers(module: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def unobserved(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """Neither ``module``'s buffers nor the generator stream of ``device`` (and the CPU) move."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module):
+def restored_inputs(inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+    """``inputs`` (the call's tensors its forward writes into) hold on exit what they held on entry."""
+    saved = [t.detach().clone() for t in inputs]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value in zip(inputs, saved):
+                t.copy_(value)
+
+
+@contextlib.contextmanager
+def unobserved(module: nn.Module, device: torch.device, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """Neither ``module``'s buffers, nor the generator stream of ``device`` (and the CPU), nor ``inputs`` move."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module), \
+            restored_inputs(inputs):
         yield

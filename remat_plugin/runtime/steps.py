@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.estimated_costs import estimate_costs
-from remat_plugin.capture.export import EAGER, ExecutionOptions, build_step
+from remat_plugin.capture.export import EAGER, MUTATED_INPUTS_META, ExecutionOptions, build_step
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops, scratch_of
 from remat_plugin.capture.output_usage import OutputUsage
@@ -37,7 +37,7 @@ from remat_plugin.planning.choose_plan import PlannerCache, make_plan
 from remat_plugin.runtime.fallback import checkpointed_layers, fallback_plan
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
-from remat_plugin.torch_private import suspended_user_modes
+from remat_plugin.torch_private import pytree, suspended_user_modes
 
 
 class PlanMismatch(Exception):
@@ -274,13 +274,25 @@ def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,
     return step
 
 
+def written_inputs(run: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The call's tensors the step's forward writes into (NOTE [inputs written by the forward]), for runs that
+    must leave them as they were."""
+    exported = getattr(run, "exported", None)
+    positions = exported.meta.get(MUTATED_INPUTS_META, ()) if exported is not None else ()
+    if not positions:
+        return []
+    leaves = pytree.tree_leaves((args, kwargs))
+    return [leaves[i] for i in sorted(positions) if isinstance(leaves[i], torch.Tensor)]
+
+
 def run_unobserved(module: nn.Module, step: PlannedStep, call: Call) -> None:
     """Run ``step`` once on ``call`` without a trace (buffers and RNG restored, outputs dropped): it plans.
 
     The caller's dispatch and function modes are suspended: capture traces fake tensors, and
     profiling is not the user's step.
     """
-    with suspended_user_modes(), unobserved(module, call.device), step.planning_only():
+    with suspended_user_modes(), unobserved(module, call.device, written_inputs(step.run, call.args, call.kwargs)), \
+            step.planning_only():
         step(call.args, call.kwargs)
 
 
@@ -331,7 +343,7 @@ def captured_problem(module: nn.Module, args: tuple = (), kwargs: dict | None = 
         progress.stage("capture")
     run = build_step(module, call.args, call.kwargs, record, call.device, ungrade_beside_the_loss=ungrade_beside_the_loss)
     try:
-        with suspended_user_modes(), unobserved(module, call.device):
+        with suspended_user_modes(), unobserved(module, call.device, written_inputs(run, call.args, call.kwargs)):
             run(call.args, call.kwargs)
     except _ProblemCaptured:
         pass

@@ -77,4 +77,12 @@ class InfeasibleBudgetError(RematError):
 
 
 class CaptureError(RematError):
-    """torch.export could not capture the module; names the failing op or line."""
+    """torch.export could not capture the module; names the failing op or line.
+
+    ``fallback``: whether per-layer checkpointing may run the model instead (it may not where checkpointing's
+    recomputation would compute something else than the first forward did).
+    """
+
+    def __init__(self, message: str, *, fallback: bool = True):
+        super().__init__(message)
+        self.fallback = fallback

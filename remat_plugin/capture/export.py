@@ -126,6 +126,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     gm = restore_functions(exported.module())
     gm.meta[MUTATED_INPUTS_META] = _mutated_inputs(exported)
     _refuse_parameter_updates(gm, type(module).__name__)
+    _refuse_own_generators(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]
     return gm
 
@@ -158,6 +159,25 @@ def _mutated_inputs(exported: torch.export.ExportedProgram) -> frozenset[int]:
             if value.op == "placeholder" and value.name in position:
                 found.add(position[value.name])
     return frozenset(found)
+
+
+def _refuse_own_generators(gm: torch.fx.GraphModule, model: str) -> None:
+    """A forward drawing from a ``torch.Generator`` it passes to an op (``generator=``) is refused, with no fallback.
+
+    The plan replays a recomputed random op's draws from the default generators' saved states (NOTE [random
+    ops]); a generator of the model's own would draw anew in a recomputation, and the runs that plan and meter a
+    step would advance it: other noise than eager's, silently.  ``torch.utils.checkpoint`` restores only the
+    default generators too, so per-layer checkpointing is no way out.
+    """
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("generator") is not None:
+            line = traced_line(node)
+            raise CaptureError(
+                f"remat_plugin.capture: {model}'s forward draws from a torch.Generator passed to the op "
+                f"({node.target}{' at ' + line if line else ''}): a recomputation would draw from it again, the runs "
+                "that plan and meter a step would advance it, and export holds a copy of torch.default_generator "
+                "rather than it, so the noise would not be eager's. Pass no generator=: draw from the default "
+                "generator (seeded with torch.manual_seed), whose draws the plan replays", fallback=False)
 
 
 def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:

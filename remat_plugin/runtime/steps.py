@@ -215,6 +215,8 @@ def _not_built(args: tuple, kwargs: dict) -> Any:
 def _fallback(module: nn.Module, err: CaptureError, budget_bytes: int,
               step: PlannedStep) -> Callable[[tuple, dict], Any]:
     """Per-layer checkpointing of the model's repeated layers, when the model has no graph."""
+    if not err.fallback:
+        raise err
     chain = find_layer_chain(module)
     if chain is None:
         raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err

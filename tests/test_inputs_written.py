@@ -1,5 +1,5 @@
 """A forward that writes into a tensor it is given (NOTE [inputs written by the forward] in
-``remat_plugin/capture/export.py``): the runs made only to plan or to meter a step leave it as it was, so every
+``remat_plugin/capture/forward_effects.py``): the runs made only to plan or to meter a step leave it as it was, so every
 caller's step writes into it once, as eager does, and computes eager's loss and gradients."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from remat_plugin import rematerialize
-from remat_plugin.capture.export import MUTATED_INPUTS_META, export_module
+from remat_plugin.capture.export import export_module
+from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META
 from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.session import RematSession
 

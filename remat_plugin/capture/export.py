@@ -24,6 +24,7 @@ from remat_plugin.capture.autograd_functions import opaque_functions, restore_fu
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
+from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place
@@ -40,7 +41,6 @@ from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
     BoxedCodeGen,
     InputMutationAOTOutput,
-    OpOverload,
     PlainAOTInput,
     aot_function,
     is_tangent,
@@ -124,87 +124,10 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     draws.check(type(module).__name__)  # NOTE [host random draws]
     hooks.check(type(module).__name__)  # NOTE [hooks in the forward]
     gm = restore_functions(exported.module())
-    gm.meta[MUTATED_INPUTS_META] = _mutated_inputs(exported)
-    _refuse_parameter_updates(gm, type(module).__name__)
-    _refuse_own_generators(gm, type(module).__name__)
+    gm.meta[MUTATED_INPUTS_META] = mutated_inputs(exported)  # NOTE [inputs written by the forward]
+    refuse_unreplayable_effects(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]
     return gm
-
-
-MUTATED_INPUTS_META = "remat_plugin.mutated_inputs"  # flat positions of the call's tensors the forward writes into
-
-
-# NOTE [inputs written by the forward]
-#     A forward may write into a tensor it is given (``mask.mul_(2)``).  Runs made only to plan or to meter
-#     the step (NOTE [calibration]) restore buffers and the RNG, but did not restore such an input: the caller's
-#     first step ran on an input the metered run had already written into (a mask doubled twice, the loss and
-#     gradients not eager's).  Export keeps those writes as in-place ops on the input's placeholder (or a view of
-#     it); their flat positions in the call are kept with the exported module, and those runs restore them.
-def _mutated_inputs(exported: torch.export.ExportedProgram) -> frozenset[int]:
-    """Flat positions, among the call's arguments, of the tensors the exported forward writes into."""
-    user = [spec.arg.name for spec in exported.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
-    position = {name: i for i, name in enumerate(user)}
-    found: set[int] = set()
-    for node in exported.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, OpOverload):
-            continue
-        for arg, value in zip(target._schema.arguments, node.args):
-            if not (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node)):
-                continue
-            while value.op == "call_function" and isinstance(value.target, OpOverload) and value.args and \
-                    value.target._schema.returns and value.target._schema.returns[0].alias_info is not None and \
-                    isinstance(value.args[0], torch.fx.Node):
-                value = value.args[0]  # through views to the tensor they look at
-            if value.op == "placeholder" and value.name in position:
-                found.add(position[value.name])
-    return frozenset(found)
-
-
-def _refuse_own_generators(gm: torch.fx.GraphModule, model: str) -> None:
-    """A forward drawing from a ``torch.Generator`` it passes to an op (``generator=``) is refused, with no fallback.
-
-    The plan replays a recomputed random op's draws from the default generators' saved states (NOTE [random
-    ops]); a generator of the model's own would draw anew in a recomputation, and the runs that plan and meter a
-    step would advance it: other noise than eager's, silently.  ``torch.utils.checkpoint`` restores only the
-    default generators too, so per-layer checkpointing is no way out.
-    """
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.kwargs.get("generator") is not None:
-            line = traced_line(node)
-            raise CaptureError(
-                f"remat_plugin.capture: {model}'s forward draws from a torch.Generator passed to the op "
-                f"({node.target}{' at ' + line if line else ''}): a recomputation would draw from it again, the runs "
-                "that plan and meter a step would advance it, and export holds a copy of torch.default_generator "
-                "rather than it, so the noise would not be eager's. Pass no generator=: draw from the default "
-                "generator (seeded with torch.manual_seed), whose draws the plan replays", fallback=False)
-
-
-def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:
-    """A forward that writes into a parameter through a detached alias (``nn.Embedding(max_norm=...)`` renormalizes
-    the rows it looks up) cannot run as a traced step: AOTAutograd writes the update back into the parameter where
-    autograd forbids it, and the step failed with autograd's bare "a leaf Variable that requires grad is being used in
-    an in-place operation".  It is refused at capture, naming the op and the model's line."""
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, OpOverload) or not node.args:
-            continue
-        first = target._schema.arguments[0]
-        alias = node.args[0]
-        if not (first.alias_info is not None and first.alias_info.is_write and isinstance(alias, torch.fx.Node)
-                and alias.target is torch.ops.aten.detach.default and isinstance(alias.args[0], torch.fx.Node)
-                and alias.args[0].op == "get_attr"):
-            continue
-        value: Any = gm
-        for part in str(alias.args[0].target).split("."):
-            value = getattr(value, part, None)
-        if isinstance(value, nn.Parameter) and value.requires_grad:
-            line = traced_line(node)
-            raise CaptureError(
-                f"remat_plugin.capture: {model}'s forward writes into its parameter {alias.args[0].target} in place "
-                f"({target}{' at ' + line if line else ''}; nn.Embedding(max_norm=...) does so), which a planned step "
-                "cannot replay: renormalize the weight outside the forward (under torch.no_grad(), before the step) "
-                "and build the module without max_norm")
 
 
 # NOTE [untraceable graphs]

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.estimated_costs import estimate_costs
-from remat_plugin.capture.export import EAGER, MUTATED_INPUTS_META, ExecutionOptions, build_step
+from remat_plugin.capture.export import EAGER, ExecutionOptions, build_step
+from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops, scratch_of
 from remat_plugin.capture.output_usage import OutputUsage

@@ -343,6 +343,21 @@ def test_a_failing_torch_nn_line_is_named_with_the_fix():
         rematerialize(model, (torch.randn(4, 8),), budget=10**9)
 
 
+class _CTCHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 6)
+
+    def forward(self, x, targets):
+        log_probs = self.linear(x).log_softmax(-1).transpose(0, 1)
+        return nn.functional.ctc_loss(log_probs, targets, [x.shape[1]] * x.shape[0], [3] * x.shape[0])
+
+
+def test_a_ctc_loss_inside_the_model_is_named_with_the_fix():
+    with pytest.raises(CaptureError, match=r"CTC loss sizes its work.*compute F\.ctc_loss outside the model"):
+        rematerialize(_CTCHead(), (torch.randn(2, 10, 8), torch.randint(1, 6, (2, 3))), budget=10**9)
+
+
 class _BranchyLayers(nn.Module):
     """Data-dependent control flow at the top, a ModuleList of BatchNorm+dropout layers inside."""
 

@@ -103,6 +103,10 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
         if "cache_utils" in first or "Cache'> in output" in first:
             hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
                     "for it; call the model with use_cache=False)")
+        elif "_ctc_loss" in first:
+            hint = (" (the CTC loss sizes its work by the values of its lengths, which a traced graph cannot depend "
+                    "on: return the log-probabilities and compute F.ctc_loss outside the model, or call a "
+                    "transformers CTC model without labels=...)")
         elif "num_batches_tracked" in library_line:
             hint = (" (a BatchNorm built with momentum=None averages its statistics by its batch count, a buffer's "
                     "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,20 +31,25 @@ def mutated_inputs(exported: torch.export.ExportedProgram) -> frozenset[int]:
     user = [spec.arg.name for spec in exported.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
     position = {name: i for i, name in enumerate(user)}
     found: set[int] = set()
-    for node in exported.graph.nodes:
+    for _, value in _written_args(exported.graph):
+        while value.op == "call_function" and isinstance(value.target, OpOverload) and value.args and \
+                value.target._schema.returns and value.target._schema.returns[0].alias_info is not None and \
+                isinstance(value.args[0], torch.fx.Node):
+            value = value.args[0]  # through views to the tensor they look at
+        if value.op == "placeholder" and value.name in position:
+            found.add(position[value.name])
+    return frozenset(found)
+
+
+def _written_args(graph: torch.fx.Graph) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(op, argument)`` for each tensor argument an op of ``graph`` writes into (by its schema)."""
+    for node in graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, OpOverload):
             continue
         for arg, value in zip(target._schema.arguments, node.args):
-            if not (arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node)):
-                continue
-            while value.op == "call_function" and isinstance(value.target, OpOverload) and value.args and \
-                    value.target._schema.returns and value.target._schema.returns[0].alias_info is not None and \
-                    isinstance(value.args[0], torch.fx.Node):
-                value = value.args[0]  # through views to the tensor they look at
-            if value.op == "placeholder" and value.name in position:
-                found.add(position[value.name])
-    return frozenset(found)
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+                yield node, value
 
 
 def _refuse_own_generators(gm: torch.fx.GraphModule, model: str) -> None:
@@ -70,14 +76,8 @@ def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:
     the rows it looks up) cannot run as a traced step: AOTAutograd writes the update back into the parameter where
     autograd forbids it, and the step failed with autograd's bare "a leaf Variable that requires grad is being used in
     an in-place operation".  It is refused at capture, naming the op and the model's line."""
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, OpOverload) or not node.args:
-            continue
-        first = target._schema.arguments[0]
-        alias = node.args[0]
-        if not (first.alias_info is not None and first.alias_info.is_write and isinstance(alias, torch.fx.Node)
-                and alias.target is torch.ops.aten.detach.default and isinstance(alias.args[0], torch.fx.Node)
+    for node, alias in _written_args(gm.graph):
+        if not (alias.target is torch.ops.aten.detach.default and isinstance(alias.args[0], torch.fx.Node)
                 and alias.args[0].op == "get_attr"):
             continue
         value: Any = gm
@@ -87,9 +87,9 @@ def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:
             line = traced_line(node)
             raise CaptureError(
                 f"remat_plugin.capture: {model}'s forward writes into its parameter {alias.args[0].target} in place "
-                f"({target}{' at ' + line if line else ''}; nn.Embedding(max_norm=...) does so), which a planned step "
-                "cannot replay: renormalize the weight outside the forward (under torch.no_grad(), before the step) "
-                "and build the module without max_norm")
+                f"({node.target}{' at ' + line if line else ''}; nn.Embedding(max_norm=...) does so), which a planned "
+                "step cannot replay: renormalize the weight outside the forward (under torch.no_grad(), before the "
+                "step) and build the module without max_norm")
 
 
 def refuse_unreplayable_effects(gm: torch.fx.GraphModule, model: str) -> None:

@@ -11,13 +11,13 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from two_ranks import NATIVE_ABORT, RETRIES, run_launch
 
 from remat_plugin.bench.fsdp_bench import launch
 from remat_plugin.errors import InfeasibleBudgetError, RematError
@@ -25,12 +25,6 @@ from remat_plugin.errors import InfeasibleBudgetError, RematError
 pytestmark = pytest.mark.slow
 
 SHARES = [0.5, 0.6, 0.7, 0.85, 1.0]
-# In 2 of about 40 two-process gloo runs on this machine one rank died mid-run with SIGABRT after libstdc++'s
-# "terminate called without an active exception" (a joinable std::thread destroyed: native code, cause not found;
-# README Known limits); a CI run of 2026-11-26 met it twice in a row on one launch.  A launch that dies that way,
-# and only that way, is run again, up to RETRIES more times.
-_NATIVE_ABORT = "terminate called without an active exception"
-RETRIES = 2
 
 
 @pytest.fixture(scope="module", params=["gpt2-tiny", "llama-tiny"])
@@ -40,8 +34,8 @@ def fsdp_run(request):
     for _ in range(RETRIES):
         try:
             return launch(opts, nproc=2, timeout_s=900)
-        except RuntimeError as exc:  # see _NATIVE_ABORT: again, and only for that
-            if _NATIVE_ABORT not in str(exc):
+        except RuntimeError as exc:  # see two_ranks.NATIVE_ABORT: again, and only for that
+            if NATIVE_ABORT not in str(exc):
                 raise
     return launch(opts, nproc=2, timeout_s=900)
 
@@ -74,11 +68,7 @@ def _launched(cmd: list[str], out: Path, env_extra: dict[str, str]) -> list[dict
     """Run a 2-process launch writing ``out.rank{r}.json``; both ranks' results."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("REMAT_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", HF_HOME=str(out.parent / "hf_home"), **env_extra)
-    proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
-    for _ in range(RETRIES):
-        if proc.returncode == 0 or _NATIVE_ABORT not in proc.stderr:  # see _NATIVE_ABORT: again, and only for that
-            break
-        proc = subprocess.run([*cmd, str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = run_launch([*cmd, str(out)], env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in (0, 1)]
 

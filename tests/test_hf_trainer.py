@@ -3,13 +3,13 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from two_ranks import run_launch
 
 from remat_plugin.errors import RematError
 from remat_plugin.integrations.accelerate import find_hook
@@ -104,13 +104,6 @@ def test_bf16_trainer_is_bitwise_the_run_without_it(tmp_path, caplog):
         assert torch.equal(p, q), name
 
 
-# A gloo rank can die at exit with SIGABRT after libstdc++'s "terminate called without an active exception" (README
-# Known limits; tests/test_fsdp.py retries its launches alike): a CI run of 2026-11-27 met it here, after both ranks
-# had trained.  A launch that dies that way, and only that way, is run again, up to RETRIES more times.
-_NATIVE_ABORT = "terminate called without an active exception"
-RETRIES = 2
-
-
 def _launch(tmp_path, name: str, env_extra: dict[str, str]) -> list[dict]:
     """Both ranks' results of ``tests/launch_scripts/hf_trainer_ddp.py`` under ``accelerate launch``."""
     root = Path(__file__).resolve().parents[1]
@@ -124,11 +117,7 @@ def _launch(tmp_path, name: str, env_extra: dict[str, str]) -> list[dict]:
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--main_process_port", str(port),
                str(root / "tests" / "launch_scripts" / "hf_trainer_ddp.py"), str(out)]
-    proc = subprocess.run(command, cwd=root, env=env, check=False, capture_output=True, text=True, timeout=240)
-    for _ in range(RETRIES):
-        if proc.returncode == 0 or _NATIVE_ABORT not in proc.stderr:  # see _NATIVE_ABORT: again, and only for that
-            break
-        proc = subprocess.run(command, cwd=root, env=env, check=False, capture_output=True, text=True, timeout=240)
+    proc = run_launch(command, cwd=root, env=env, timeout=240)  # a rank's native abort at exit: launched again
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "profiler session is recording" not in proc.stderr and "torch.autocast block" not in proc.stderr
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

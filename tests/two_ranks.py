@@ -2,8 +2,27 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 
 import torch.multiprocessing as mp
+
+# In 2 of about 40 two-process gloo runs on this machine one rank died mid-run with SIGABRT after libstdc++'s
+# "terminate called without an active exception" (a joinable std::thread destroyed: native code, cause not found;
+# README Known limits); CI runs of 2026-11-26 and 2026-11-27 met it.  A launch that dies that way, and only that
+# way, is run again, up to RETRIES more times.
+NATIVE_ABORT = "terminate called without an active exception"
+RETRIES = 2
+
+
+def run_launch(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, **kwargs)`` (output captured, never raising on the exit status), run again when a
+    rank died with the native abort (:data:`NATIVE_ABORT`), and only then."""
+    proc = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+    for _ in range(RETRIES):
+        if proc.returncode == 0 or NATIVE_ABORT not in proc.stderr:
+            break
+        proc = subprocess.run(command, capture_output=True, text=True, check=False, **kwargs)
+    return proc
 
 
 def free_port() -> int:

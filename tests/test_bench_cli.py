@@ -106,6 +106,19 @@ def test_n_layer_on_fixed_depth_model_is_refused(capsys):
     assert "resnet-tiny have a fixed depth" in capsys.readouterr().err
 
 
+def test_batch_shape_flags(capsys):
+    """``--batch-size``/``--seq-len`` set a GPT-2 model's batch (GPT-2 small's shape run small on a CPU); a model of
+    fixed shape is refused, naming the models that take them."""
+    from remat_plugin.bench.run import run_bench
+
+    rows = run_bench(["gpt2-tiny"], [1.0], pairs=1, n_layer=1, batch_size=2, seq_len=16)
+    assert {(r["meta"]["batch_size"], r["meta"]["seq_len"]) for r in rows} == {(2, 16)}
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "gpt2-tiny,resnet-tiny", "--seq-len", "64"])
+    assert exc.value.code == 2
+    assert "resnet-tiny have a fixed batch shape; they apply to gpt2-tiny, gpt2-small" in capsys.readouterr().err
+
+
 def test_recompute_breakdown_adds_up_to_the_plan():
     """``bench recompute-breakdown``: forward, backward and recomputed times are the plan's own prediction, the
     kinds add up to the forward, and the plan at per-layer checkpointing's measured peak stays under it."""

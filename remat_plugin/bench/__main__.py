@@ -38,7 +38,7 @@ from remat_plugin.bench.report import (
     frontier_comparison,
     to_json,
 )
-from remat_plugin.bench.run import LAYER_COUNT_ARG, run_bench
+from remat_plugin.bench.run import LAYER_COUNT_ARG, SHAPE_ARGS, run_bench
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--pairs", type=int, default=5, help="timed (none, strategy) step pairs, after a warm-up pair")
     parser.add_argument("--n-layer", type=int, default=None, help="number of repeated layers (gpt2-tiny, mlp-chain)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per batch (gpt2-tiny, gpt2-small)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (gpt2-tiny, gpt2-small)")
     parser.add_argument("--seed", type=int, default=0, help="model weights seed")
     parser.add_argument("--json", default=None, help="write every measurement to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="log remat_plugin's planning too")
@@ -83,6 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fixed = [name for name in args.model if name not in LAYER_COUNT_ARG]
     if args.n_layer is not None and fixed:
         parser.error(f"--n-layer: {', '.join(fixed)} have a fixed depth; it applies to {', '.join(LAYER_COUNT_ARG)}")
+    fixed_shape = [name for name in args.model if name not in SHAPE_ARGS]
+    if (args.batch_size is not None or args.seq_len is not None) and fixed_shape:
+        parser.error(f"--batch-size/--seq-len: {', '.join(fixed_shape)} have a fixed batch shape; they apply to "
+                     f"{', '.join(SHAPE_ARGS)}")
+    for flag in ("batch_size", "seq_len"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     return args
 
 
@@ -136,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     rows = run_bench(
-        args.model, args.budgets, args.device, DTYPES[args.dtype], args.pairs, n_layer=args.n_layer, seed=args.seed
+        args.model, args.budgets, args.device, DTYPES[args.dtype], args.pairs, n_layer=args.n_layer,
+        batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
     )
     wall_s = time.perf_counter() - t0
 

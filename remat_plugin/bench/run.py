@@ -51,6 +51,8 @@ Batch = tuple[tuple[Any, ...], dict[str, Any]]
 RUN_PEERS = ("none", "per_layer", "sqrt_n")
 # The factory argument that sets each model's number of repeated layers (``--n-layer``).
 LAYER_COUNT_ARG = {"gpt2-tiny": "n_layer", "gpt2-small": "n_layer", "mlp-chain": "n_blocks"}
+# The models whose batch shape ``--batch-size``/``--seq-len`` set (a GPU-sized model's shape on a CPU, say).
+SHAPE_ARGS = ("gpt2-tiny", "gpt2-small")
 
 GRAD_SEED = 1234  # re-seeded before every compared step, so dropout masks match across strategies
 BATCH_SEED = 0
@@ -65,6 +67,8 @@ def run_bench(
     pairs: int = 5,
     *,
     n_layer: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     seed: int = 0,
 ) -> list[BenchRow]:
     """Benchmark every model in ``models`` at every budget fraction; return one row per (model, strategy)."""
@@ -76,9 +80,14 @@ def run_bench(
     fixed = [name for name in models if name not in LAYER_COUNT_ARG]
     if n_layer is not None and fixed:
         raise ValueError(f"bench.run: {fixed} have a fixed depth; drop n_layer or pick from {sorted(LAYER_COUNT_ARG)}.")
+    shape = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len)) if v is not None}
+    fixed_shape = [name for name in models if name not in SHAPE_ARGS]
+    if shape and fixed_shape:
+        raise ValueError(f"bench.run: {fixed_shape} have a fixed batch shape; drop {sorted(shape)} or pick from "
+                         f"{list(SHAPE_ARGS)}.")
     rows: list[BenchRow] = []
     for name in models:
-        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, "device": device}
+        kwargs: dict[str, Any] = {"dtype": dtype, "seed": seed, "device": device, **shape}
         if n_layer is not None:
             kwargs[LAYER_COUNT_ARG[name]] = n_layer
         rows.extend(run_model(build(name, **kwargs), budgets, torch.device(device), dtype, pairs))

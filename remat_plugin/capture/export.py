@@ -326,7 +326,7 @@ class CompiledStep:
         without_donated_buffers(flat_out)
         if self.options.watch_outputs:
             flat_out = watched(flat_out, self._record, self.options.backward_autocast, self.freed_outputs,
-                                self._amend)
+                                self._amend, owner=self.params[0] if self.params else None)
         n = len(self.out_tensor_positions) + len(self.out_constants)
         out_leaves: list[Any] = [None] * n
         for pos, t in zip(self.out_tensor_positions, flat_out):

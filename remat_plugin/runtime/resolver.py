@@ -68,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -76,9 +77,9 @@ from torch import nn
 
 from remat_plugin.capture.export import ExecutionOptions
 from remat_plugin.capture.module_attributes import not_read, say_changed
-from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss
+from remat_plugin.capture.output_usage import OutputUsage, in_flight, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
-from remat_plugin.errors import CaptureError, InfeasibleBudgetError, RematError, human_bytes
+from remat_plugin.errors import CallsInFlightError, CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.calibration import Calibration, metered_step
@@ -381,6 +382,7 @@ class StepResolver:
         if refine:
             step = self._refined_step(call, step, budget)
         self.latest = step
+        self._refuse_calls_in_flight(step)
         try:
             return self._call(step, call, budget if refine else None)
         except PlanMismatch as exc:  # raised by a replayed step's first call, before anything ran
@@ -391,6 +393,20 @@ class StepResolver:
             step = self.steps[call.key] = self.solve(call, budget())
             self.latest = step
             return self._call(step, call, budget if refine else None)
+
+    def _refuse_calls_in_flight(self, step: PlannedStep) -> None:
+        """Raise before ``step`` runs beside earlier calls still awaiting backward, over its plan's budget (NOTE
+        [calls in flight] in remat_plugin.capture.output_usage)."""
+        plan, params = step.plan, getattr(step.run, "params", None)
+        if plan is None or plan.fallback or not params:
+            return
+        calls, held = in_flight(params)
+        if calls and held + plan.predicted_peak_bytes > plan.budget_bytes:
+            gc.collect()  # a graph held only by cyclic garbage (a caught exception's frames) is not in flight
+            calls, held = in_flight(params)
+        if calls and held + plan.predicted_peak_bytes > plan.budget_bytes:
+            raise CallsInFlightError(type(self.module).__name__, calls, held, plan.predicted_peak_bytes,
+                                     plan.budget_bytes)
 
     def _refined_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
         """``step``, or a new plan of its shapes when the previous call used its outputs otherwise than planned

@@ -1,5 +1,12 @@
 """remat_plugin: make PyTorch training fit a memory budget by planned rematerialization."""
-from remat_plugin.errors import BudgetFormatError, CaptureError, InfeasibleBudgetError, OptionError, RematError
+from remat_plugin.errors import (
+    BudgetFormatError,
+    CallsInFlightError,
+    CaptureError,
+    InfeasibleBudgetError,
+    OptionError,
+    RematError,
+)
 from remat_plugin.ir.plan import Plan
 from remat_plugin.runtime.module import RematModule, rematerialize
 
@@ -19,6 +26,7 @@ def __getattr__(name: str):
 __all__ = [
     "AutoRemat",
     "BudgetFormatError",
+    "CallsInFlightError",
     "CaptureError",
     "InfeasibleBudgetError",
     "OptionError",

@@ -7,10 +7,9 @@ import pytest
 import torch
 from budgets import step_grads
 
-from remat_plugin import rematerialize
+from remat_plugin import CallsInFlightError, InfeasibleBudgetError, rematerialize
 from remat_plugin.bench.models import build
 from remat_plugin.capture.memory_meter import measure_peak_profiler
-from remat_plugin.errors import CallsInFlightError, InfeasibleBudgetError
 from remat_plugin.ir.plan import budget_for_peak
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat_plugin import CallsInFlightError
 from remat_plugin.bench.models import build
 from remat_plugin.capture.segments import SegmentedBackward
 from remat_plugin.runtime.module import RematModule
@@ -125,7 +126,13 @@ def test_autograd_grad_retain_graph_and_interleaved_calls():
     eager = bench.loss(bench.module(*args, **kwargs)) + bench.loss(bench.module(*args2, **kwargs2))
     want = torch.autograd.grad(eager, params)
     torch.manual_seed(1)
-    both = bench.loss(rm(*args, **kwargs)) + bench.loss(rm(*args2, **kwargs2))
+    first = bench.loss(rm(*args, **kwargs))
+    with pytest.raises(CallsInFlightError):  # beside the first call's saved tensors, over the budget
+        rm(*args2, **kwargs2)
+    del first
+    both_fit = _rematted(bench, args, kwargs, share=2.2)  # a budget that holds both calls (NOTE [calls in flight])
+    torch.manual_seed(1)
+    both = bench.loss(both_fit(*args, **kwargs)) + bench.loss(both_fit(*args2, **kwargs2))
     both.backward()
     assert all(torch.allclose(p.grad, w, rtol=0, atol=1e-12) for p, w in zip(params, want))
 

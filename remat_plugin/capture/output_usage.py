@@ -77,6 +77,8 @@ class _OutputWatch:
         self.refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
         self.storages = {i: StorageWeakRef(t.untyped_storage()) for i, t in enumerate(outputs)
                          if isinstance(t, torch.Tensor)}
+        self.pointers = {i: t.untyped_storage().data_ptr() for i, t in enumerate(outputs)
+                         if isinstance(t, torch.Tensor)}
         self.freed = freed
         self.nbytes = tuple(t.nbytes if isinstance(t, torch.Tensor) else 0 for t in outputs)
         self.differentiable = differentiable
@@ -87,7 +89,11 @@ class _OutputWatch:
     def seen(self, grads: tuple) -> None:
         graded = {i for i, g in zip(self.differentiable, grads) if g is not None}
         held = {i for i, ref in enumerate(self.refs) if ref() is not None}
-        held |= {i for i in self.freed if i in self.storages and not self.storages[i].expired()}
+        alive = {i for i in self.freed if i in self.storages and not self.storages[i].expired()}
+        # A freed output on a storage the step saved for its backward (a hidden state that is also a layer's
+        # input) is alive for the step's sake: whether the caller holds it too is seen once the backward is over.
+        saved = _saved_storages(self.node()) if alive else {}
+        held |= {i for i in alive if self.pointers[i] not in saved}
         autocast = any_autocast_enabled()  # the engine runs backward under the caller's autocast
         if autocast != self.backward_autocast:
             where = "inside" if autocast else "after"
@@ -98,7 +104,7 @@ class _OutputWatch:
         usage = OutputUsage(len(self.refs), frozenset(held), frozenset(graded), autocast,
                             frozenset(self.differentiable), self.nbytes)
         self.record(usage)
-        looked_dropped = [i for i in usage.dropped - self.freed if i in self.storages]
+        looked_dropped = [i for i in usage.dropped - (self.freed - alive) if i in self.storages]
         if looked_dropped and self.amend is not None:
             queue_after_backward(lambda: self._held_after_backward(usage, looked_dropped))
 
@@ -197,22 +203,27 @@ def in_flight(params: list[torch.Tensor]) -> tuple[int, int]:
     skip = {p.untyped_storage().data_ptr() for p in params}
     calls, storages = 0, {}
     for watch in watches:
-        node = watch.node()
-        held = {}
-        for below, _ in (node.next_functions if node is not None else ()):
-            try:
-                saved = below.saved_tensors if below is not None else ()
-            except (RuntimeError, AttributeError):  # freed by its backward, or a node that saves nothing
-                continue
-            for t in saved:
-                if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                    storage = t.untyped_storage()
-                    if storage.data_ptr() not in skip:
-                        held[storage.data_ptr()] = storage.nbytes()
+        held = {ptr: n for ptr, n in _saved_storages(watch.node()).items() if ptr not in skip}
         if held:
             calls += 1
             storages.update(held)
     return calls, sum(storages.values())
+
+
+def _saved_storages(node: Any) -> dict[int, int]:
+    """``data_ptr() -> nbytes`` of the storages a call's step saved for its backward, read from the nodes below its
+    :class:`_WatchedOutputs` node ``node``; empty once its backward freed them, or when ``node`` is gone."""
+    storages = {}
+    for below, _ in (node.next_functions if node is not None else ()):
+        try:
+            saved = below.saved_tensors if below is not None else ()
+        except (RuntimeError, AttributeError):  # freed by its backward, or a node that saves nothing
+            continue
+        for t in saved:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return storages
 
 
 def outputs_beside_the_loss(n_outputs: int, scalars: list[int]) -> frozenset[int] | None:

@@ -80,7 +80,8 @@ class CallsInFlightError(InfeasibleBudgetError):
     """A call would run beside earlier calls of the module whose backward has not run yet, over the budget
     (NOTE [calls in flight] in remat_plugin.capture.output_usage)."""
 
-    def __init__(self, model: str, calls: int, held_bytes: int, predicted_bytes: int, budget_bytes: int):
+    def __init__(self, model: str, calls: int, held_bytes: int, predicted_bytes: int, budget_bytes: int,
+                 unplanned_bytes: int):
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = held_bytes + predicted_bytes  # what this call would reach, its plan unchanged
         RematError.__init__(
@@ -89,8 +90,10 @@ class CallsInFlightError(InfeasibleBudgetError):
             f"{human_bytes(held_bytes)} that the plan of this call does not count: with its predicted peak of "
             f"{human_bytes(predicted_bytes)} the step would reach {human_bytes(held_bytes + predicted_bytes)}, over "
             f"the budget of {human_bytes(budget_bytes)}. A plan holds one call at a time. Call backward() after each "
-            "call (the gradients of a sum of losses are the same), or pass the inputs as one batch (torch.cat along "
-            "the batch dimension) so that one plan covers them.")
+            "call (the gradients of a sum of losses are the same), pass the inputs as one batch (torch.cat along "
+            "the batch dimension) so that one plan covers them, or raise the budget to about "
+            f"{human_bytes((calls + 1) * unplanned_bytes)} ({calls + 1} times a call's unmodified peak, with "
+            "margin), which holds the calls as they are.")
 
 
 class CaptureError(RematError):

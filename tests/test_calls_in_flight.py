@@ -10,6 +10,7 @@ from budgets import step_grads
 from remat_plugin import CallsInFlightError, InfeasibleBudgetError, rematerialize
 from remat_plugin.bench.models import build
 from remat_plugin.capture.memory_meter import measure_peak_profiler
+from remat_plugin.errors import human_bytes
 from remat_plugin.ir.plan import budget_for_peak
 
 
@@ -34,10 +35,13 @@ def test_a_second_call_over_the_budget_is_refused_before_it_runs():
     step_grads(rm, batches)  # a loop with one call per backward runs
     first = rm(**batches[0])
     with pytest.raises(CallsInFlightError, match=r"called while 1 earlier call\(s\) of it still await backward\(\), "
-                       r"holding \d+\.\d+ MiB.*over the budget.*Call backward\(\) after each call.*torch\.cat") as err:
+                       r"holding \d+\.\d+ MiB.*over the budget.*Call backward\(\) after each call.*torch\.cat.*raise "
+                       r"the budget to about (\d+\.\d+) MiB \(2 times a call's unmodified peak") as err:
         rm(**batches[1])
     assert isinstance(err.value, InfeasibleBudgetError)  # what a batch-size search or a caller already catches
     assert err.value.min_feasible_bytes > err.value.budget_bytes
+    # the budget the error advises is the one test_calls_that_fit_the_budget_together_run_within_it runs at
+    assert human_bytes(2 * budget_for_peak(rm.plan.baseline_peak_bytes)) in str(err.value)
     first.loss.backward()  # the first call's step is not harmed; its backward frees what it held
     step_grads(rm, batches)  # and a loop with one call per backward runs again
     del err

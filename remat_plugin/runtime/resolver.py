@@ -80,7 +80,7 @@ from remat_plugin.capture.module_attributes import not_read, say_changed
 from remat_plugin.capture.output_usage import OutputUsage, in_flight, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CallsInFlightError, CaptureError, InfeasibleBudgetError, RematError, human_bytes
-from remat_plugin.ir.plan import Plan
+from remat_plugin.ir.plan import Plan, budget_for_peak
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.calibration import Calibration, metered_step
 from remat_plugin.runtime.progress import PlanningProgress
@@ -406,7 +406,7 @@ class StepResolver:
             calls, held = in_flight(params)
         if calls and held + plan.predicted_peak_bytes > plan.budget_bytes:
             raise CallsInFlightError(type(self.module).__name__, calls, held, plan.predicted_peak_bytes,
-                                     plan.budget_bytes)
+                                     plan.budget_bytes, budget_for_peak(plan.baseline_peak_bytes))
 
     def _refined_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
         """``step``, or a new plan of its shapes when the previous call used its outputs otherwise than planned

@@ -418,6 +418,23 @@ def module_hooks(module: torch.nn.Module, backward: bool) -> list[Callable]:
     return [hook for kind in kinds for hook in getattr(module, kind, {}).values()]
 
 
+_FORWARD_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                       "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def forward_hooks_off(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, calling ``module`` runs its ``forward`` without the forward (pre-)hooks registered on it."""
+    saved = {name: getattr(module, name) for name in _FORWARD_HOOK_DICTS if hasattr(module, name)}
+    for name, hooks in saved.items():
+        setattr(module, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            setattr(module, name, hooks)
+
+
 def global_module_hooks(backward: bool) -> list[Callable]:
     """The forward (pre-)hooks or the backward (pre-)hooks registered for every module
     (``torch.nn.modules.module.register_module_forward_hook`` and kin)."""

@@ -51,6 +51,7 @@ from remat_plugin.torch_private import (
     aot_function,
     autocast_as,
     autocast_settings,
+    forward_hooks_off,
     pytree,
     unbacked_reads_ignored,
 )
@@ -306,8 +307,11 @@ class RepeatedLayers:
         known.update({id(t): ("input", i) for i, t in enumerate(inputs)})
         args, kwargs = _unflatten_inputs(call, inputs)
         names = self.param_names
+        # The op stands for the layer's forward: its call's hooks ran around the op (run again here, transformers'
+        # output_hidden_states recorder kept this run's fake output, foreign to the model's export, and the layers
+        # could not be traced once).
         with _running_own_forward(), autocast_as(call.autocast), _Fingerprint(known) as recorder, \
-                unbacked_reads_ignored([*params, *inputs]):
+                unbacked_reads_ignored([*params, *inputs]), forward_hooks_off(self.layers[call.layer]):
             out = torch.func.functional_call(self.layers[call.layer], dict(zip(names, params)), args, kwargs,
                                              strict=True)
         out_leaves, call.out_spec = pytree.tree_flatten(out)

@@ -1,6 +1,6 @@
 """Calls of a planned module made before an earlier call's backward (NOTE [calls in flight] in
 ``remat_plugin/capture/output_usage.py``): a plan holds one call at a time, so a second call beside the first's saved
-tensors ran over the budget, with no word (112.08 MiB against 59.47 MiB on this model)."""
+tensors ran over the budget, with no word (112.08 MiB against 59.47 MiB on gpt2-tiny at 4x128 tokens, float64)."""
 import copy
 
 import pytest

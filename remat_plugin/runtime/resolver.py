@@ -382,7 +382,6 @@ class StepResolver:
         if refine:
             step = self._refined_step(call, step, budget)
         self.latest = step
-        self._refuse_calls_in_flight(step)
         try:
             return self._call(step, call, budget if refine else None)
         except PlanMismatch as exc:  # raised by a replayed step's first call, before anything ran
@@ -401,9 +400,10 @@ class StepResolver:
         if plan is None or plan.fallback or not params:
             return
         calls, held = in_flight(params)
-        if calls and held + plan.predicted_peak_bytes > plan.budget_bytes:
-            gc.collect()  # a graph held only by cyclic garbage (a caught exception's frames) is not in flight
-            calls, held = in_flight(params)
+        if not calls or held + plan.predicted_peak_bytes <= plan.budget_bytes:
+            return
+        gc.collect()  # a graph held only by cyclic garbage (a caught exception's frames) is not in flight
+        calls, held = in_flight(params)
         if calls and held + plan.predicted_peak_bytes > plan.budget_bytes:
             raise CallsInFlightError(type(self.module).__name__, calls, held, plan.predicted_peak_bytes,
                                      plan.budget_bytes, budget_for_peak(plan.baseline_peak_bytes))
@@ -486,6 +486,7 @@ class StepResolver:
         return self.solve(call, budget(), now=True, refine=True, dropped_outputs=dropped, ungraded_outputs=ungraded)
 
     def _call(self, step: PlannedStep, call: Call, budget: BudgetFn | None) -> Any:
+        self._refuse_calls_in_flight(step)  # before anything of the call runs, on either of run()'s paths
         with self._planning.pop(call.key, contextlib.nullcontext()):
             if not step.checked and user_modes_active():
                 run_unobserved(self.module, step, call)  # capture and planning outside the caller's modes

@@ -183,9 +183,11 @@ def test_a_free_the_session_does_not_see_is_placed_where_the_caller_says():
 class _Trace:
     """A finished session as a Chrome trace written by hand (the profiler's own schema)."""
 
-    def __init__(self, events: list[tuple[float, int, int]]):
+    def __init__(self, events: list[tuple[float, int, int]], spans: list[tuple[str, str, float, float]] = ()):
         self._events = [{"name": "[memory]", "ph": "i", "ts": t, "args": {"Bytes": n, "Addr": addr, "Device Type": 0}}
                         for t, n, addr in events]
+        self._events += [{"name": name, "cat": cat, "ph": "X", "ts": start, "dur": end - start}
+                         for name, cat, start, end in spans]
 
     def export_chrome_trace(self, path: str) -> None:
         with open(path, "w") as f:
@@ -197,6 +199,20 @@ def test_a_block_allocated_at_a_live_address_ends_the_block_freed_unseen_there()
     unseen; the trace counted both (gloo, FSDP2: 2.46 MiB more in one step of 80)."""
     trace = allocator_trace(_Trace([(1.0, 8 * MiB, 0xA0), (2.0, 2 * MiB, 0xB0), (3.0, 8 * MiB, 0xA0)]))
     assert trace.peak_rise() == (10 * MiB, 10 * MiB)
+
+
+def test_a_range_is_read_from_the_host_not_from_the_gpu_span_of_the_same_name():
+    """NOTE [host ranges]: with CUDA recorded, a record_function range is also in the trace as the span its kernels
+    ran on the GPU, later.  An op that allocates only its output (4 MiB) while the host goes on to allocate and
+    free the next op's inputs (8 MiB) during its kernel has no scratch; the GPU's span read 8 MiB
+    (``_log_softmax_backward_data`` on GPT-2 small's logits: two logits, 3.07 GiB, an H200)."""
+    events = [(12.0, 4 * MiB, 0xA0), (25.0, 8 * MiB, 0xB0), (35.0, -8 * MiB, 0xB0)]
+    spans = [("op", "user_annotation", 10.0, 20.0), ("op", "gpu_user_annotation", 15.0, 40.0),
+             ("a kernel", "kernel", 15.0, 40.0)]
+    trace = allocator_trace(_Trace(events, spans))
+    assert trace.ranges == {"op": (10.0, 20.0)}
+    peak, end = trace.peak_rise(*trace.ranges["op"])
+    assert (peak, end) == (4 * MiB, 4 * MiB)  # no scratch: what it holds at the end is its peak
 
 
 def test_kernel_scratch_is_measured_per_op():

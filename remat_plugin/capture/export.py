@@ -27,7 +27,7 @@ from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_t
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
-from remat_plugin.capture.in_place_adds import add_in_place
+from remat_plugin.capture.in_place_adds import add_in_place, sums_in_place
 from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.layer_splice import NotSpliceable
 from remat_plugin.capture.module_attributes import Guard, traced_values, with_tensors
@@ -508,6 +508,8 @@ def build_step(
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | step.ungraded_outputs)  # NOTE [dropped tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
+        if not options.compile:  # the backward program's adds written into an operand (NOTE [in-place sums in the plan])
+            joint.sums_in_place = sums_in_place(joint_gm, lambda n: n.meta.get("partitioner_tag") != "is_forward")
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
         joint.state_primals = {n.name for n in primals[: len(names)]}

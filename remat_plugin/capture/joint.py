@@ -108,6 +108,9 @@ class JointGraph:
     absent_tangents: frozenset[str] = frozenset()  # their tangents, arriving as None (NOTE [dropped tangents])
     output_roots: dict[int, str] = field(default_factory=dict)  # user output index -> value holding its storage
     output_positions: dict[int, int] = field(default_factory=dict)  # user output index -> joint output position
+    # backward add -> the operand it is written into (NOTE [in-place sums in the plan]); empty where adds stay
+    # out of place (compiled programs)
+    sums_in_place: dict[str, str] = field(default_factory=dict)
 
     def node(self, name: str) -> fx.Node:
         return self._by_name[name]
@@ -242,6 +245,7 @@ class JointGraph:
         live_out = self.live_out - set(dropped)
         held_outputs = live_out & set(self.output_roots.values())  # not buffer updates, which AOTAutograd copies back
         returned = Op(OUTPUTS_OP, True, tuple(dropped), (), 0.0, recomputable=False) if dropped else None
+        storage_of: dict[str, str] = {}  # a sum written into an operand -> the value whose storage it is
         in_forward = True  # the synthetic ops between forward and backward are still to come
         for n in self.ops:
             if in_forward and not self.is_fwd[n.name]:
@@ -263,12 +267,17 @@ class JointGraph:
                 rng_type = torch.device(self.rng_device.get(n.name, self.device_type)).type
                 values.append(Value(rng, RNG_STATE_BYTES.get(rng_type, 16), rng))
                 reads.append(rng)
+            reads += [storage_of[r] for r in reads if r in storage_of and storage_of[r] not in reads]
             outs = self.values_of[n.name]
+            into = self.root.get(self.sums_in_place.get(n.name, ""))
+            if into is not None and outs == (n.name,):  # NOTE [in-place sums in the plan]
+                storage_of[n.name] = storage_of.get(into, into)
             temp = temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name]
             returned_here = self.is_fwd[n.name] and bool(set(outs) & held_outputs)  # the caller's: never recomputed
             ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp,
                           recomputable=not returned_here))
-            values.extend(Value(v, self.value_bytes(v), n.name) for v in outs)
+            values.extend(Value(v, 0 if v in storage_of else self.value_bytes(v), n.name) for v in outs)
         if in_forward and returned is not None:
             ops.append(returned)
+        live_out |= {storage_of[v] for v in live_out if v in storage_of}
         return Problem(tuple(ops), tuple(values), frozenset(live_out))

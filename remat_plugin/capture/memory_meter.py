@@ -48,7 +48,7 @@ from typing_extensions import Self  # a torch dependency; typing.Self needs Pyth
 from remat_plugin.torch_private import FakeTensor, FunctionalTensor, TorchDispatchMode, pytree
 
 __all__ = ["PeakMeter", "StorageTracker", "allocator_trace", "measure_peak", "measure_peak_profiler", "memory_profile",
-           "trace_of_events", "warm_backward_workspaces"]
+           "warm_backward_workspaces"]
 
 
 class StorageTracker(TorchDispatchMode):
@@ -350,7 +350,7 @@ def allocator_trace(prof: profile, device: torch.device | str = "cpu", excluding
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)["traceEvents"]
-    return trace_of_events(trace, device, excluding, freed_after)
+    return _trace_of_events(trace, device, excluding, freed_after)
 
 
 # The device timeline's categories in a Chrome trace: a ``record_function`` range appears there too, under the same
@@ -358,7 +358,7 @@ def allocator_trace(prof: profile, device: torch.device | str = "cpu", excluding
 _DEVICE_CATEGORIES = frozenset({"gpu_user_annotation", "kernel", "gpu_memcpy", "gpu_memset"})
 
 
-def trace_of_events(trace: list[dict], device: torch.device | str = "cpu", excluding: tuple[str, ...] = (),
+def _trace_of_events(trace: list[dict], device: torch.device | str = "cpu", excluding: tuple[str, ...] = (),
                     freed_after: tuple[FreedAfter, ...] = ()) -> AllocatorTrace:
     """:func:`allocator_trace` from a Chrome trace's events.
 

@@ -185,8 +185,8 @@ def test_the_plan_counts_the_sums_the_backward_writes_in_place(monkeypatch, mode
     planned: list[dict[str, str]] = []
     real = export.sums_in_place
 
-    def spied(gm, in_backward):
-        sums = real(gm, in_backward)
+    def spied(gm):
+        sums = real(gm)
         nodes = {n.name: n for n in gm.graph.nodes}
         planned.append({add: _operand(nodes[into]) for add, into in sums.items()})
         return sums

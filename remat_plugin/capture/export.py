@@ -509,7 +509,7 @@ def build_step(
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
         if not options.compile:  # the backward program's adds written into an operand (NOTE [in-place sums in the plan])
-            joint.sums_in_place = sums_in_place(joint_gm, lambda n: n.meta.get("partitioner_tag") != "is_forward")
+            joint.sums_in_place = sums_in_place(joint_gm)
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
         joint.state_primals = {n.name for n in primals[: len(names)]}

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Container
+from collections.abc import Container
 
 import torch
 from torch import fx
@@ -73,13 +73,18 @@ def add_in_place(gm: fx.GraphModule) -> int:
     return len(chosen)
 
 
-def sums_in_place(joint_gm: fx.GraphModule, in_backward: Callable[[fx.Node], bool]) -> dict[str, str]:
-    """The backward's adds that :func:`add_in_place` will write into an operand the backward made, by name: add ->
-    that operand (NOTE [in-place sums in the plan]).  Empty where adds stay out of place (inductor, the switch)."""
+def sums_in_place(joint_gm: fx.GraphModule) -> dict[str, str]:
+    """The joint graph's backward adds that :func:`add_in_place` will write into an operand the backward made, by
+    name: add -> that operand (NOTE [in-place sums in the plan]).  Empty while the switch keeps adds out of place."""
     if not _rewriting.on:
         return {}
     return {node.name: into.name for node, into in _sums_into(joint_gm).items()
-            if in_backward(node) and in_backward(into)}
+            if _in_backward(node) and _in_backward(into)}
+
+
+def _in_backward(node: fx.Node) -> bool:
+    """A joint graph's node of the backward: AOTAutograd tags the forward's."""
+    return node.meta.get("partitioner_tag") != "is_forward"
 
 
 def _sums_into(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:

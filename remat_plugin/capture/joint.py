@@ -269,9 +269,10 @@ class JointGraph:
                 reads.append(rng)
             reads += [storage_of[r] for r in reads if r in storage_of and storage_of[r] not in reads]
             outs = self.values_of[n.name]
-            into = self.root.get(self.sums_in_place.get(n.name, ""))
-            if into is not None and outs == (n.name,):  # NOTE [in-place sums in the plan]
-                storage_of[n.name] = storage_of.get(into, into)
+            into = self.sums_in_place.get(n.name)  # NOTE [in-place sums in the plan]
+            operand = self.root.get(into) if into is not None else None  # the value holding the operand's storage
+            if operand is not None and outs == (n.name,):
+                storage_of[n.name] = storage_of.get(operand, operand)
             temp = temp_bytes.get(n.name, 0) + self.unread_output_bytes[n.name]
             returned_here = self.is_fwd[n.name] and bool(set(outs) & held_outputs)  # the caller's: never recomputed
             ops.append(Op(n.name, self.is_fwd[n.name], tuple(reads), outs, time_ms.get(n.name, 0.0), temp,

@@ -326,6 +326,11 @@ class FreedAfter:
     only_inside: str
 
 
+# The device timeline's categories in a Chrome trace: a ``record_function`` range appears there too, under the same
+# name, as the span its kernels ran on the GPU (NOTE [host ranges]).
+_DEVICE_CATEGORIES = frozenset({"gpu_user_annotation", "kernel", "gpu_memcpy", "gpu_memset"})
+
+
 def allocator_trace(prof: profile, device: torch.device | str = "cpu", excluding: tuple[str, ...] = (),
                     freed_after: tuple[FreedAfter, ...] = ()) -> AllocatorTrace:
     """The allocator events of ``device`` in a finished session (NOTE [frees from before the session]).
@@ -344,23 +349,6 @@ def allocator_trace(prof: profile, device: torch.device | str = "cpu", excluding
         unit's backward to the step's end, in 6 of 300 steps).  So a block allocated at an address the trace still
         holds was freed before, at the latest then; and where the caller names it (``freed_after``), at the
         end of the range that released it.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)["traceEvents"]
-    return _trace_of_events(trace, device, excluding, freed_after)
-
-
-# The device timeline's categories in a Chrome trace: a ``record_function`` range appears there too, under the same
-# name, as the span its kernels ran on the GPU (NOTE [host ranges]).
-_DEVICE_CATEGORIES = frozenset({"gpu_user_annotation", "kernel", "gpu_memcpy", "gpu_memset"})
-
-
-def _trace_of_events(trace: list[dict], device: torch.device | str = "cpu", excluding: tuple[str, ...] = (),
-                    freed_after: tuple[FreedAfter, ...] = ()) -> AllocatorTrace:
-    """:func:`allocator_trace` from a Chrome trace's events.
 
     NOTE [host ranges]
         Allocator events are stamped on the host, when the allocation is asked for.  With CUDA recorded,
@@ -373,6 +361,11 @@ def _trace_of_events(trace: list[dict], device: torch.device | str = "cpu", excl
     """
     dev = torch.device(device)
     kind = 1 if dev.type == "cuda" else 0  # the trace's "Device Type": c10::DeviceType
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)["traceEvents"]
     raw = sorted(
         (e["ts"], e["args"]["Bytes"], e["args"]["Addr"]) for e in trace
         if e.get("name") == "[memory]" and e["args"].get("Device Type") == kind

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from budgets import assert_bitwise_at_a_recomputing_budget
 from torch import fx, nn
 
 from remat_plugin import rematerialize
@@ -308,3 +309,37 @@ def test_layer_inputs_that_view_a_wider_storage_are_spliced():
     spliced, exported = _joint(model, (x,), {}, once=True)
     assert LAYERS_META in exported.meta
     assert _canonical(spliced.gm) == _canonical(whole.gm)
+
+
+class _ConstantLayer(nn.Module):
+    """A layer that makes a tensor in its forward (a table, a scale): the traced layer holds it as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x)) * torch.tensor([0.5, 2.0], dtype=x.dtype).repeat(16)
+
+
+class _ConstantStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_ConstantLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_layers_tensor_constant_is_spliced_without_a_warning(recwarn):
+    """The spliced calls read the traced layer's constant as make_fx reads its own (FX's ``Graph.get_attr`` warned
+    that no parameter or buffer of that name exists, on transformers' Falcon and DeBERTa-v2); gradients bitwise."""
+    torch.manual_seed(0)
+    model, x = _ConstantStack().double(), torch.randn(16, 32, dtype=torch.float64)
+    spliced, exported = _joint(model, (x,), {}, once=True)
+    assert LAYERS_META in exported.meta
+    assert any(n.op == "get_attr" for n in spliced.gm.graph.nodes)
+    assert_bitwise_at_a_recomputing_budget(model, [(x,), (x * 2,)], loss=lambda out: out)
+    assert not [w for w in recwarn if "get_attr" in str(w.message)]

@@ -96,7 +96,7 @@ def _splice_forward(graph: fx.Graph, node: fx.Node, joint: LayerJoint, fresh: _F
                 name = f"{attr_prefix}_{n.target}".replace(".", "_")
                 if not hasattr(owner, name):
                     setattr(owner, name, getattr(joint.gm, cast(str, n.target)))
-                env[n] = graph.get_attr(name)
+                env[n] = graph.create_node("get_attr", name)  # as make_fx adds its constants: graph.get_attr warns
                 env[n].meta = dict(n.meta)
             elif n.op == "call_function" and n.meta.get("partitioner_tag") == "is_forward":
                 env[n] = graph.node_copy(n, lambda a: env[a])

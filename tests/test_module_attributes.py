@@ -97,6 +97,42 @@ def test_a_transformers_config_value_changed_after_planning_takes_effect():
     assert out.hidden_states is not None and len(out.hidden_states) == 3
 
 
+
+def test_a_value_the_forward_sets_once_is_set_and_watched(caplog):
+    """transformers' classification heads set ``config.problem_type`` from the labels at their first call (NOTE
+    [values set once]): after a planned step it is set as after an eager one, unwarned, and the caller's later
+    change of it (another loss) takes effect."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                     vocab_size=64, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).double().train()
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (4, 16), generator=gen)
+    targets = torch.nn.functional.one_hot(torch.randint(0, 3, (4,), generator=gen), 3).double()
+
+    def step(label: str) -> None:
+        for m in (rm, ref):
+            torch.manual_seed(0)
+            m(input_ids=ids, labels=targets).loss.backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())), label
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rm = rematerialize(model, budget=10**9, verbose=False)
+        step("first")
+        step("second")
+    assert "forward changes Python values" not in caplog.text
+    assert model.config.problem_type == ref.config.problem_type == "multi_label_classification"
+    caplog.clear()
+    for m in (model, ref):
+        m.config.problem_type = "regression"  # the same inputs, another loss
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        step("regression")
+    assert "config.problem_type ('regression', traced with 'multi_label_classification')" in caplog.text
+
 class Scaled(nn.Module):
     """A plain tensor attribute (not a registered buffer), and an activation module without parameters."""
 

@@ -23,6 +23,13 @@ NOTE [module attributes]
     with a warning: a planned step does not run the forward's Python, so they do not change at its
     steps (``torch.export`` even puts them back after tracing; :func:`traced_values` reads them as the
     traced forward returns).
+
+NOTE [values set once]
+    A forward that fills in a value left None (transformers' classification heads set
+    ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
+    Such a value is set on the model as the eager first call would leave it, and stays in the guard
+    with that value: the step traced is the one eager runs from then on, nothing is warned about,
+    and the caller's own later change of it (another loss) captures again.
 """
 from __future__ import annotations
 
@@ -130,10 +137,18 @@ class TracedValues:
         self.after = {where: value for _, _, value, where in snapshot(module)}
 
     def guard(self) -> Guard:
-        """The guard of the traced graph; says once which values the forward itself changed, which leave it."""
+        """The guard of the traced graph; says once which values the forward itself changed, which leave it.  A
+        value the forward set where it was None stays in it, set as the forward set it (NOTE [values set once])."""
         module, after = self.module, self.after or {}
         written = {where for _, _, value, where in self.before if not _same(after.get(where, _MISSING), value)} \
             if self.after is not None else set()
+        entries = list(self.before)
+        for i, (owner, name, value, where) in enumerate(entries):
+            now = after.get(where, _MISSING)
+            if where in written and value is None and now is not None and now is not _MISSING:
+                setattr(owner, name, now)  # what the eager first call leaves behind; torch.export put it back
+                entries[i] = (owner, name, now, where)
+                written.discard(where)
         if written:
             _not_read.setdefault(module, set()).update(written)
             told = _told_written.setdefault(module, set())
@@ -145,7 +160,7 @@ class TracedValues:
                     "not the forward's Python, so they do not change at its steps. Keep such state in a tensor "
                     "buffer updated in place, or outside the model", type(module).__name__,
                     ", ".join(new[:3]) + (", ..." if len(new) > 3 else ""))
-        return Guard(weakref.ref(module), tuple(e for e in self.before if e[3] not in written))
+        return Guard(weakref.ref(module), tuple(e for e in entries if e[3] not in written))
 
 
 @contextlib.contextmanager

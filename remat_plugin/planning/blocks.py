@@ -229,8 +229,12 @@ def glued_values(problem: Problem, constants: set[str], blocks: list[Block], top
     ops (named with the forward positions they live between), or [] when no block is that big."""
     life = _Lifetimes.of(problem, constants)
     n = len(life.fwd)
-    biggest = max(blocks, key=lambda b: len(b.fwd_ops))
-    if n < 20 or len(biggest.fwd_ops) <= GLUED_SHARE * n:
+
+    def size(b: Block) -> int:  # counted as make_blocks counts: constants a block took in are not what glues it
+        return sum(o not in constants for o in b.fwd_ops)
+
+    biggest = max(blocks, key=size)
+    if n < 20 or size(biggest) <= GLUED_SHARE * n:
         return []
     inside = set(biggest.fwd_ops)
     crossing = [c for o, c in zip(life.fwd, life.crossing(_side_values(life))) if o.name in inside]

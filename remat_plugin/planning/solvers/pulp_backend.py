@@ -34,6 +34,13 @@ SOLVER_NAMES = ("highs", "cbc")
 _USABLE = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 
 
+
+def _rows_in_order(prob: pulp.LpProblem) -> list[pulp.LpConstraint]:
+    """The problem's constraints in the order they were added.  PuLP 3.3 warns that reading ``prob.constraints``
+    as a dict goes away in 4.0, where it is a method returning this list; before 3.3 only the dict exists."""
+    constraints = prob.constraints
+    return list(constraints()) if callable(constraints) else list(constraints.values())
+
 class SolverUnavailableError(RuntimeError):
     """The requested MILP solver is not installed."""
 
@@ -136,10 +143,12 @@ class PersistentHighs:
         self.prob = prob
         self.columns = prob.variables()
         self.col_of = {v.name: i for i, v in enumerate(self.columns)}
-        self.row_of = {name: i for i, name in enumerate(prob.constraints)}
+        rows = _rows_in_order(prob)
+        self.row_of = {row.name: i for i, row in enumerate(rows) if row.name}
+        self.named_rows = {row.name: row for row in rows if row.name}
         inf = highspy.kHighsInf
         starts, index, value, lower, upper = [0], [], [], [], []
-        for row in prob.constraints.values():
+        for row in rows:
             for var, coef in row.items():
                 if coef != 0:
                     index.append(self.col_of[var.name])
@@ -171,7 +180,7 @@ class PersistentHighs:
         """Minimise ``objective`` after re-reading the bounds of ``rows``; ``warm``: a MIP start by column."""
         hs, h = self._highspy, self.highs
         for name in rows:
-            row = self.prob.constraints[name]
+            row = self.named_rows[name]
             lb, ub = row.getLb(), row.getUb()
             h.changeRowBounds(self.row_of[name], -hs.kHighsInf if lb is None else lb, hs.kHighsInf if ub is None else ub)
         cost = np.zeros(len(self.columns))

@@ -34,12 +34,12 @@ SOLVER_NAMES = ("highs", "cbc")
 _USABLE = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
 
 
-
 def _rows_in_order(prob: pulp.LpProblem) -> list[pulp.LpConstraint]:
     """The problem's constraints in the order they were added.  PuLP 3.3 warns that reading ``prob.constraints``
     as a dict goes away in 4.0, where it is a method returning this list; before 3.3 only the dict exists."""
     constraints = prob.constraints
     return list(constraints()) if callable(constraints) else list(constraints.values())
+
 
 class SolverUnavailableError(RuntimeError):
     """The requested MILP solver is not installed."""

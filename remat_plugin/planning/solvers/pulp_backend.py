@@ -143,9 +143,8 @@ class PersistentHighs:
         self.prob = prob
         self.columns = prob.variables()
         self.col_of = {v.name: i for i, v in enumerate(self.columns)}
-        rows = _rows_in_order(prob)
+        self.rows = rows = _rows_in_order(prob)
         self.row_of = {row.name: i for i, row in enumerate(rows) if row.name}
-        self.named_rows = {row.name: row for row in rows if row.name}
         inf = highspy.kHighsInf
         starts, index, value, lower, upper = [0], [], [], [], []
         for row in rows:
@@ -180,9 +179,9 @@ class PersistentHighs:
         """Minimise ``objective`` after re-reading the bounds of ``rows``; ``warm``: a MIP start by column."""
         hs, h = self._highspy, self.highs
         for name in rows:
-            row = self.named_rows[name]
-            lb, ub = row.getLb(), row.getUb()
-            h.changeRowBounds(self.row_of[name], -hs.kHighsInf if lb is None else lb, hs.kHighsInf if ub is None else ub)
+            i = self.row_of[name]
+            lb, ub = self.rows[i].getLb(), self.rows[i].getUb()
+            h.changeRowBounds(i, -hs.kHighsInf if lb is None else lb, hs.kHighsInf if ub is None else ub)
         cost = np.zeros(len(self.columns))
         for var, coef in objective.items():
             cost[self.col_of[var.name]] = coef

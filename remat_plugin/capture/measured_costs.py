@@ -17,6 +17,14 @@ NOTE [temporary memory]
     peak statistics the user may be reading.  The simulator and the block ILP add it to the
     memory while the op runs.
 
+NOTE [one warm-up]
+    Each newly measured op first runs once under the profiler to read its scratch, then its timed
+    runs (at least 3, the median kept) follow without another warm-up: the profiled run was it.  A
+    big op ran five times before (a warm-up, 3 timed, the profiled one), now four: on gpt2-tiny
+    profiling is 1.0-1.3 s of a 5 s cold plan on a slow 2-core CPU, most of it its large matmuls
+    and dropout masks.  Under a caller's profiler nothing is profiled, and the timer warms up
+    itself.
+
 NOTE [op times across shapes]
     A new batch size or sequence length traces the same graph (the same ops under the same names,
     :attr:`JointGraph.structure_key`) at new sizes.  Its sizes come from the trace, exact.  Its op
@@ -230,13 +238,14 @@ def _input_device(a: fx.Node, val: torch.Tensor, device: torch.device, real: dic
 
 
 def _time_op(node: fx.Node, device: torch.device, real: dict[str, torch.Tensor], min_total_ms: float = 2.0,
-             max_reps: int = 20) -> float:
-    """Median time (ms) of the op alone."""
+             max_reps: int = 20, warm: bool = False) -> float:
+    """Median time (ms) of the op alone.  ``warm``: the op already ran at these sizes (NOTE [one warm-up])."""
     target, args, kwargs = _run_once(node, device, real)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        target(*args, **kwargs)  # warm-up
-        sync()
+        if not warm:
+            target(*args, **kwargs)  # warm-up
+            sync()
         times: list[float] = []
         total = 0.0
         while len(times) < 3 or (total < min_total_ms and len(times) < max_reps):
@@ -386,28 +395,33 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     carried_before: set[tuple] = set()  # carried to these sizes by an earlier capture: taken as they were
     graph = joint.structure_key
     sigs = [op_signature(node) for node in joint.ops]
-    for i, (node, sig) in enumerate(zip(joint.ops, sigs)):
+    for node, sig in zip(joint.ops, sigs):
         found = measured.get(sig) or timings.get(sig)
         if found is None and (found := timings.carried(sig)) is not None:
             carried_before.add(sig)
-        if found is None:
+        if found is None and sig not in new:
             before = timings.measured_in_graph(graph, node)
             if before is not None:
                 found = (before[1] * _work_ratio(before[0], node), before[2])
                 carried[sig] = node
             else:
-                found = (_measured_ms(joint, node, device, real), 0)
                 new[sig] = node
-        measured[sig] = found
-        if progress is not None:
-            progress(i + 1, len(joint.ops))
+        if found is not None:
+            measured[sig] = found
     # Under a profiler scratch cannot be read (_temp_bytes): a carried op keeps the scratch of the shape measured
+    warm = bool(new) and not profiler_active()
     rescratch = [] if profiler_active() else [sig for sig in carried if measured[sig][1] > 0]
     with_scratch = [*new, *rescratch]
+    scratch: dict[tuple, int] = {}
     if with_scratch:
         nodes = {**new, **carried}
-        for sig, scratch in zip(with_scratch, _temp_bytes([nodes[s] for s in with_scratch], device, real)):
-            measured[sig] = (measured[sig][0], scratch)
+        scratch = dict(zip(with_scratch, _temp_bytes([nodes[s] for s in with_scratch], device, real)))
+    for i, (sig, node) in enumerate(new.items()):
+        measured[sig] = (_measured_ms(joint, node, device, real, warm), 0)
+        if progress is not None:
+            progress(i + 1, len(new))
+    for sig, b in scratch.items():
+        measured[sig] = (measured[sig][0], b)
     for sig in new:
         timings.put(sig, *measured[sig])
     for sig in carried:
@@ -424,9 +438,10 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     return OpCosts(time_ms, temp)
 
 
-def _measured_ms(joint: JointGraph, node: fx.Node, device: torch.device, real: dict[str, torch.Tensor]) -> float:
+def _measured_ms(joint: JointGraph, node: fx.Node, device: torch.device, real: dict[str, torch.Tensor],
+                 warm: bool = False) -> float:
     try:
-        return _time_op(node, device, real)
+        return _time_op(node, device, real, warm=warm)
     except Exception as exc:  # noqa: BLE001 -- any op may reject random inputs: estimate from bytes moved
         est = sum(joint.value_bytes(v) for v in joint.values_of[node.name]) / 2e9 * 1e3
         log.debug("profile: %s failed on generated inputs (%s); estimated %.3f ms", node.target, exc, est)

@@ -432,8 +432,8 @@ def test_hidden_states_the_loss_leaves_are_freed_without_a_false_warning(caplog)
     """``output_hidden_states=True`` with a loss on some of them (distillation, auxiliary losses): those left are
     freed.  A hidden state is also its next layer's input, saved by the step for its backward, so its storage
     outlives the forward without the caller holding it: that used to read as held, warn of a step over its plan,
-    and plan once more with it kept.  The layers are traced once (NOTE [layers traced once]): transformers' hooks
-    recording them used to keep a fake output of the layer's fingerprint, and the capture traced every layer."""
+    and plan once more with it kept.  transformers' hooks recording the hidden states used to keep a fake output
+    of the layer's fingerprint (NOTE [layers traced once]), and the capture traced every layer for that."""
     module, reference, (args, kwargs) = _gpt2()
     batch = (args, {**kwargs, "output_hidden_states": True})
 
@@ -445,8 +445,11 @@ def test_hidden_states_the_loss_leaves_are_freed_without_a_false_warning(caplog)
         rm = rematerialize(module, *batch, budget=budget, verbose=False)
         peaks = [_step(rm, reference, batch, seed, loss_of=loss_of) for seed in range(4)]
     assert "which its plan frees after the forward" not in caplog.text
-    # transformers records the hidden states with forward hooks on the layers; the layers are still traced once
-    assert "could not be traced once" not in caplog.text
+    # transformers records the hidden states with forward hooks on the layers, which no longer stop the layers being
+    # traced once; the first plan traces them whole only because each hidden state is also a layer's input that
+    # may get a gradient (NOTE [returned layer inputs])
+    whole = [r.getMessage() for r in caplog.records if "could not be traced once" in r.getMessage()]
+    assert whole and all("NOTE [returned layer inputs]" in m for m in whole), whole
     n_hidden = len(module.transformer.h) + 1
     assert set(rm.plan.dropped_outputs) == {LOGITS, *range(LOGITS + 1, LOGITS + n_hidden)}, rm.plan  # all but the last
     assert rm._resolver.n_refined == 1

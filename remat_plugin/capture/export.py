@@ -496,7 +496,7 @@ def build_step(
         spliced = step.exported.meta.get(LAYERS_META)
         if spliced is not None:
             try:
-                spliced.splice(joint_gm)  # NOTE [layers traced once]
+                spliced.splice(joint_gm, dropped_outputs | ungraded_outputs)  # NOTE [layers traced once]
             except NotSpliceable:
                 raise
             except Exception as exc:  # a failed splice retraces whole (said), never a wrong graph

@@ -47,6 +47,8 @@ from remat_plugin.capture.forward_swap import swapped_forwards
 from remat_plugin.capture.layer_splice import LayerJoint, NotSpliceable, splice_call
 from remat_plugin.torch_private import (
     FakeTensor,
+    PlainAOTOutput,
+    TangentAOTInput,
     TorchDispatchMode,
     aot_function,
     autocast_as,
@@ -230,6 +232,32 @@ class _Template:
     joint: LayerJoint | None = None  # its joint graph, once traced
 
 
+def _returned_with_gradient(graph: fx.Graph, ungraded_outputs: frozenset[int]) -> dict[fx.Node, int]:
+    """The forward values the joint graph returns as flat outputs whose gradient (tangent) it adds, by node: the
+    outputs that have a tangent, less ``ungraded_outputs``.  Every returned value where the graph does not say.
+
+    NOTE [returned layer inputs]
+        A layer's input that the model also returns (transformers' ``output_hidden_states``, a model's list of
+        its layers' outputs for deep supervision) gets its gradient from the caller as well as from the layer.
+        Eager autograd adds the caller's first, as it arrives before the layer's backward runs, then the
+        layer's contributions one by one; a spliced layer sums its own contributions inside and the caller's
+        after, which rounds otherwise (a 4-layer float64 model with a loss on layer 1's output: 5.6e-17 on
+        every step, found 2026-11-27).  Such a call is traced whole; a later plan that knows the caller takes
+        no gradient of that output (NOTE [output usage]) is spliced again."""
+    out = graph.output_node()
+    values = cast(list, out.args[0])
+    descs = out.meta.get("desc")
+    if not isinstance(descs, (list, tuple)) or len(descs) != len(values):
+        return {v: i for i, v in enumerate(values) if isinstance(v, fx.Node)}
+    with_tangent = set()
+    for ph in graph.find_nodes(op="placeholder"):
+        desc = ph.meta.get("desc")
+        if isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
+            with_tangent.add(desc.output.idx)
+    return {v: d.idx for v, d in zip(values, descs) if isinstance(v, fx.Node) and isinstance(d, PlainAOTOutput)
+            and d.idx in with_tangent and d.idx not in ungraded_outputs}
+
+
 class _Captured(Exception):
     """Ends a template trace once AOTAutograd has handed over the joint graph."""
 
@@ -386,15 +414,17 @@ class RepeatedLayers:
                 t.requires_grad_(grad)
             self._trace(template, flat[: len(self.param_names)], flat[len(self.param_names) :], mode)
 
-    def splice(self, joint_gm: fx.GraphModule) -> None:
+    def splice(self, joint_gm: fx.GraphModule, ungraded_outputs: frozenset[int] = frozenset()) -> None:
         """Replace every layer call's two nodes in ``joint_gm`` by its template's forward and backward.
 
-        Raises :class:`NotSpliceable` (before changing the graph) where the result would not be the joint
-        graph a whole-model trace gives."""
+        ``ungraded_outputs``: the flat outputs no gradient will reach (their tangents folded away, NOTE [dropped
+        tangents]).  Raises :class:`NotSpliceable` (before changing the graph) where the result would not be the
+        joint graph a whole-model trace gives."""
         graph = joint_gm.graph
         layer_op, grad_op = torch.ops.remat_plugin.layer.default, torch.ops.remat_plugin.layer_grad.default
         fwd_nodes = list(graph.find_nodes(op="call_function", target=layer_op))
         grad_nodes = {cast(int, n.args[0]): n for n in graph.find_nodes(op="call_function", target=grad_op)}
+        returned = _returned_with_gradient(graph, ungraded_outputs)
         for node in fwd_nodes:
             call = _CALLS[cast(int, node.args[0])]
             if cast(int, node.args[0]) not in grad_nodes:
@@ -406,6 +436,10 @@ class RepeatedLayers:
                 if grad and (readers or operands.count(arg) > 1):
                     where = readers[0].name if readers else "this layer twice"
                     raise NotSpliceable(f"{arg.name}, which layer {call.layer} differentiates, is also read by {where}; "
+                                        "its gradients would be summed in another order")
+                if grad and arg in returned:
+                    raise NotSpliceable(f"layer {call.layer}'s input {arg.name} is also returned as output "
+                                        f"{returned[arg]}, which may get a gradient (NOTE [returned layer inputs]); "
                                         "its gradients would be summed in another order")
         self._traced_for(graph, fwd_nodes)
         for node in fwd_nodes:

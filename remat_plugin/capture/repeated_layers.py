@@ -242,8 +242,8 @@ def _returned_with_gradient(graph: fx.Graph, ungraded_outputs: frozenset[int]) -
         Eager autograd adds the caller's first, as it arrives before the layer's backward runs, then the
         layer's contributions one by one; a spliced layer sums its own contributions inside and the caller's
         after, which rounds otherwise (a 4-layer float64 model with a loss on layer 1's output: 5.6e-17 on
-        every step, found 2026-11-27).  Such a call is traced whole; a later plan that knows the caller takes
-        no gradient of that output (NOTE [output usage]) is spliced again."""
+        every step, found 2026-11-27).  Such a call is traced whole, and so are the later plans of it, which
+        trace its whole export again (a later plan that gives the output no gradient could splice: not done)."""
     out = graph.output_node()
     values = cast(list, out.args[0])
     descs = out.meta.get("desc")

@@ -20,10 +20,10 @@ NOTE [temporary memory]
 NOTE [one warm-up]
     Each newly measured op first runs once under the profiler to read its scratch, then its timed
     runs (at least 3, the median kept) follow without another warm-up: the profiled run was it.  A
-    big op ran five times before (a warm-up, 3 timed, the profiled one), now four: on gpt2-tiny
-    profiling is 1.0-1.3 s of a 5 s cold plan on a slow 2-core CPU, most of it its large matmuls
-    and dropout masks.  Under a caller's profiler nothing is profiled, and the timer warms up
-    itself.
+    big op ran five times before (a warm-up, 3 timed, the profiled one), now four: gpt2-tiny's
+    profiling, most of it its large matmuls and dropout masks, took 1.2-1.4 s of a 5 s cold plan
+    on a slow 2-core CPU before and 0.9-1.1 s after (4 interleaved cold plans each, 2026-11-27).
+    Under a caller's profiler nothing is profiled, and the timer warms up itself.
 
 NOTE [op times across shapes]
     A new batch size or sequence length traces the same graph (the same ops under the same names,

@@ -82,6 +82,7 @@ __all__ = [
     "reentrant_checkpoints_inlined",
     "reset_dynamo",
     "suspended_user_modes",
+    "tangent_output",
     "traced_like_eager",
     "unset_fake_temporarily",
     "user_modes_active",
@@ -111,6 +112,12 @@ def _check_version(version: str) -> None:
 
 
 _check_version(torch.__version__)
+
+
+def tangent_output(node: torch.fx.Node) -> int | None:
+    """The flat output whose gradient a joint graph's tangent placeholder is (AOTAutograd's descriptor), or None."""
+    desc = node.meta.get("desc")
+    return desc.output.idx if isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput) else None
 
 
 def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

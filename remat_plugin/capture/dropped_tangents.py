@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 from remat_plugin.capture.switches import CaptureSwitch
-from remat_plugin.torch_private import PlainAOTOutput, TangentAOTInput, is_tangent
+from remat_plugin.torch_private import is_tangent, tangent_output
 
 log = logging.getLogger(__name__)
 _folding = CaptureSwitch()
@@ -74,9 +74,7 @@ def fold_dropped_tangents(gm: fx.GraphModule, outputs: frozenset[int]) -> frozen
         return frozenset()
     folded: set[str] = set()
     for ph in gm.graph.find_nodes(op="placeholder"):
-        desc = ph.meta.get("desc")
-        if not (is_tangent(ph) and isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)
-                and desc.output.idx in outputs):
+        if not (is_tangent(ph) and tangent_output(ph) in outputs):
             continue
         grads = {user: _folded_grad(user, ph) for user in ph.users}
         if not all(grads.values()):

@@ -18,11 +18,10 @@ from torch import Tensor, fx
 from remat_plugin.errors import RematError
 from remat_plugin.torch_private import (
     FakeTensor,
-    PlainAOTOutput,
-    TangentAOTInput,
     fake_on_storage,
     is_primal,
     is_tangent,
+    tangent_output,
 )
 
 
@@ -113,12 +112,13 @@ def _splice_backward(graph: fx.Graph, node: fx.Node, joint: LayerJoint, env: dic
     nodes, _, tangents, outs = joint.parts
     grads_in = cast(list, node.args[3])
     for tangent in tangents:  # each the gradient of one of the layer's outputs
-        desc = tangent.meta.get("desc")
-        if not (isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput)):
-            raise NotSpliceable(f"layer {layer}'s template has a tangent of no plain output ({desc!r})")
-        if grads_in[desc.output.idx] is None:
-            raise NotSpliceable(f"output {desc.output.idx} of layer {layer} has no gradient")
-        env[tangent] = grads_in[desc.output.idx]
+        index = tangent_output(tangent)
+        if index is None:
+            raise NotSpliceable(f"layer {layer}'s template has a tangent of no plain output "
+                                f"({tangent.meta.get('desc')!r})")
+        if grads_in[index] is None:
+            raise NotSpliceable(f"output {index} of layer {layer} has no gradient")
+        env[tangent] = grads_in[index]
         fresh.seed(tangent.meta.get("val"), env[tangent].meta.get("val"))
     with graph.inserting_before(node):
         for n in nodes:

@@ -409,7 +409,7 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
         if found is not None:
             measured[sig] = found
     # Under a profiler scratch cannot be read (_temp_bytes): a carried op keeps the scratch of the shape measured
-    warm = bool(new) and not profiler_active()
+    warm = not profiler_active()  # then every new op ran once, profiled, before it is timed
     rescratch = [] if profiler_active() else [sig for sig in carried if measured[sig][1] > 0]
     with_scratch = [*new, *rescratch]
     scratch: dict[tuple, int] = {}

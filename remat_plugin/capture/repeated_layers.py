@@ -48,13 +48,13 @@ from remat_plugin.capture.layer_splice import LayerJoint, NotSpliceable, splice_
 from remat_plugin.torch_private import (
     FakeTensor,
     PlainAOTOutput,
-    TangentAOTInput,
     TorchDispatchMode,
     aot_function,
     autocast_as,
     autocast_settings,
     forward_hooks_off,
     pytree,
+    tangent_output,
     unbacked_reads_ignored,
 )
 
@@ -249,11 +249,7 @@ def _returned_with_gradient(graph: fx.Graph, ungraded_outputs: frozenset[int]) -
     descs = out.meta.get("desc")
     if not isinstance(descs, (list, tuple)) or len(descs) != len(values):
         return {v: i for i, v in enumerate(values) if isinstance(v, fx.Node)}
-    with_tangent = set()
-    for ph in graph.find_nodes(op="placeholder"):
-        desc = ph.meta.get("desc")
-        if isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
-            with_tangent.add(desc.output.idx)
+    with_tangent = {tangent_output(ph) for ph in graph.find_nodes(op="placeholder")}
     return {v: d.idx for v, d in zip(values, descs) if isinstance(v, fx.Node) and isinstance(d, PlainAOTOutput)
             and d.idx in with_tangent and d.idx not in ungraded_outputs}
 

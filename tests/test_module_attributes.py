@@ -30,10 +30,10 @@ class Tempered(nn.Module):
 X = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
 
-def _step(rm, ref, label: str) -> None:
+def _step(rm, ref, label: str, x: torch.Tensor = X) -> None:
     for m in (rm, ref):
         torch.manual_seed(0)
-        m(X).backward()
+        m(x).backward()
     model = rm.original
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())), label
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ref.buffers())), label
@@ -41,14 +41,14 @@ def _step(rm, ref, label: str) -> None:
     ref.zero_grad(set_to_none=True)
 
 
-def _change_each(rm, ref, changes, caplog) -> None:
+def _change_each(rm, ref, changes, caplog, x: torch.Tensor = X) -> None:
     """Make each change to both models, then a step: bitwise, and the change named in a warning."""
     for name, change in changes:
         caplog.clear()
         for m in (rm.original, ref):
             change(m)
         with caplog.at_level(logging.WARNING, logger="remat_plugin"):
-            _step(rm, ref, name)
+            _step(rm, ref, name, x)
         assert f"{type(ref).__name__}'s {name} (" in caplog.text and "changed since its step was traced" in caplog.text
 
 
@@ -183,6 +183,36 @@ class _Blocks(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x.square().mean()
+
+
+class _SharedBlocks(nn.Module):
+    """One block applied three times (ALBERT-style): torch.export traces a copy of such a model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([_Block()] * 3)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_shared_submodule_is_not_taken_for_one_the_forward_replaced(caplog):
+    """NOTE [shared submodules]: the traced copy's submodules are other objects; that is no value the forward
+    wrote (it used to warn so, and leave the submodules unwatched), and a change made after planning is seen."""
+    model = _SharedBlocks().double()
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rm = rematerialize(model, budget=10**9, verbose=False)
+        for i in range(2):
+            _step(rm, ref, f"step {i}", x)
+    assert "forward changes Python values" not in caplog.text
+    changes = [("layers.0.dropout.p", lambda m: setattr(m.layers[0].dropout, "p", 0.5)),
+               ("layers.0.dropout", lambda m: setattr(m.layers[0], "dropout", nn.Dropout(0.2)))]
+    _change_each(rm, ref, changes, caplog, x)
 
 
 def test_fsdp2_units_build_their_step_again_for_a_changed_value(caplog):

@@ -24,6 +24,15 @@ NOTE [module attributes]
     steps (``torch.export`` even puts them back after tracing; :func:`traced_values` reads them as the
     traced forward returns).
 
+NOTE [shared submodules]
+    A model that calls one submodule in several places (an ALBERT-style layer applied N times, a
+    ``ModuleList([layer] * n)``) is run by ``torch.export``'s non-strict trace as a copy: the forward
+    hook that reads the values as the traced forward returns sees other module objects, the shared
+    one copied once per place.  Their plain values compare as they are; their submodules, watched by
+    identity, are compared by name there, or every ``<submodules>`` entry read as written by the
+    forward: a false warning, and the entries left the guard, so a submodule replaced after planning
+    went unseen.
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -132,16 +141,24 @@ class TracedValues:
         self.module = module
         self.before = snapshot(module)
         self.after: dict[str, Any] | None = None
+        self.ran_a_copy = False
 
     def forward_returned(self, module: nn.Module, args: Any, output: Any) -> None:
         self.after = {where: value for _, _, value, where in snapshot(module)}
+        self.ran_a_copy = module is not self.module  # NOTE [shared submodules]
+
+    def _kept(self, name: str, before: Any, after: Any) -> bool:
+        """Whether the traced forward left this value as it was."""
+        if name is _CHILDREN and self.ran_a_copy:  # the copy's submodules are others: compare their names only
+            return after is not _MISSING and [n for n, _ in after] == [n for n, _ in before]
+        return _same(after, before)
 
     def guard(self) -> Guard:
         """The guard of the traced graph; says once which values the forward itself changed, which leave it.  A
         value the forward set where it was None stays in it, set as the forward set it (NOTE [values set once])."""
         module, after = self.module, self.after or {}
-        written = {where for _, _, value, where in self.before if not _same(after.get(where, _MISSING), value)} \
-            if self.after is not None else set()
+        written = {where for _, name, value, where in self.before
+                   if not self._kept(name, value, after.get(where, _MISSING))} if self.after is not None else set()
         entries = list(self.before)
         for i, (owner, name, value, where) in enumerate(entries):
             now = after.get(where, _MISSING)

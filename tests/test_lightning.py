@@ -274,7 +274,8 @@ def _launch_ddp(tmp_path: Path, common: list[str], *extra: str) -> list[dict]:
 def test_ddp_below_the_first_plans_floor_trains_with_the_logits_given_no_gradient(tmp_path):
     """strategy="ddp", 2 CPU processes, a budget below the floor of a first plan that keeps the logits with their
     gradient (a large vocabulary makes them most of the step): rank 0 plans them held without a gradient (NOTE
-    [loss-only first plan]), both ranks train on that plan within the budget, losses equal DDP without it."""
+    [loss-only first plan]), then freed after the forward for a training_step that drops them (NOTE [refined
+    step-down]); both ranks train on those plans within the budget, losses equal DDP without it."""
     from remat_plugin import rematerialize
     from remat_plugin.ir.plan import Plan
 
@@ -295,7 +296,10 @@ def test_ddp_below_the_first_plans_floor_trains_with_the_logits_given_no_gradien
     plain = _launch_ddp(tmp_path, common, "example.remat=false")
     assert ours[0]["plans"] == ours[1]["plans"] and [r["n_solved"] for r in ours] == [1, 0]
     plan = Plan.from_json(next(iter(ours[0]["plans"].values())))
-    assert plan.ungraded_outputs == (1,) and plan.loss_only_floors == (first.min_feasible_bytes,)
+    # held without a gradient, then freed for the training_step, which returns only the loss (NOTE [refined
+    # step-down]); a gradient into them is still refused
+    assert (plan.ungraded_outputs, plan.dropped_outputs) == ((), (1,))
+    assert plan.loss_only_floors == (first.min_feasible_bytes,)
     for mine, theirs in zip(ours, plain):
         assert mine["losses"] == theirs["losses"]
         assert max(mine["peaks"]) <= budget
@@ -388,8 +392,8 @@ def test_auto_batch_size_beside_a_loss_plans_the_logits_held_without_a_gradient(
     assert choice.ungraded_outputs == (1,) and "held without a gradient" in choice.summary()
     assert choice.batch_size > 4 and recorder.batch_sizes == [choice.batch_size] * 2
     assert max(recorder.peaks) <= budget and choice.measured_peak_bytes <= budget
-    plan = next(iter(auto.session.plans.values()))
-    assert plan.ungraded_outputs == (1,)
+    plan = next(iter(auto.session.plans.values()))  # then freed for the training_step (NOTE [refined step-down])
+    assert (plan.ungraded_outputs, plan.dropped_outputs) == ((), (1,)) and len(plan.loss_only_floors) == 1
     ids = torch.randint(0, vocab, (choice.batch_size, 128))
     keep_all = captured_problem(hf, (), {"input_ids": ids, "labels": ids})
     with pytest.raises(InfeasibleBudgetError):  # a search keeping every output stops lower

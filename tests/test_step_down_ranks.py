@@ -77,8 +77,8 @@ def test_step_down_is_agreed_and_a_refusal_stops_every_rank(tmp_path, case):
     assert (r0["solved"], r1["solved"]) == (1, 0), "rank 0 plans, rank 1 runs its plan"
     assert r0["uses"] == r1["uses"]
     ungraded, dropped, floors = r0["uses"]
-    if budget == HELD_BUDGET:
-        assert (ungraded, dropped, len(floors)) == ((1,), (), 1) and floors[0] > budget
+    if budget == HELD_BUDGET:  # held without a gradient, then freed for this loop, which drops them on every rank
+        assert (ungraded, dropped, len(floors)) == ((), (1,), 1) and floors[0] > budget  # NOTE [refined step-down]
     else:
         assert (ungraded, dropped, len(floors)) == ((), (1,), 2) and floors[1] > budget
     assert r0["peak"] <= budget

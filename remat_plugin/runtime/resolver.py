@@ -50,6 +50,18 @@ NOTE [loss-only first plan]
     before it runs, so a refusal on one rank raises on all of them in that backward; none is left
     waiting in the gradients' all-reduce.
 
+NOTE [refined step-down]
+    A first plan that stepped down to the others held without a gradient is planned again, once,
+    when a step shows the caller drops every one of them before ``backward()`` (``loss =
+    model(...).loss``, a Lightning ``training_step``, transformers' Trainer): with them freed after the
+    forward, as NOTE [output usage] refines a plan that fits.  A gradient into them is still refused
+    (the first floor).  Holding them is not: the budget fits a plan that holds them (the one before),
+    so a later step that holds them is treated as NOTE [output usage] treats a refined plan's: that step
+    runs with them alive, over its plan by their size, is warned about, and the next call plans them
+    held without a gradient again (still refusing a gradient), not refined again.  Before, such a plan
+    kept outputs it never held: on an H200, GPT-2 small's shape at 8 x 1024 at half its unmodified
+    peak kept back one logits tensor (1.53 GiB; predicted 6.30 GiB, measured 4.77) and ran at 1.47x.
+
 NOTE [many shapes]
     A step is built per exact input shape: a plan made for a bucket is replayed on shorter inputs
     without profiling or solving, but each new shape still captures the model's graph (export and
@@ -325,10 +337,8 @@ class StepResolver:
         exported = previous.exported_module() if previous is not None and previous.tensor_ids == call.tensor_ids \
             else None
         before = previous.plan if previous is not None else None
-        if not loss_only_floors and before is not None and before.loss_only_floors and \
-                (before.dropped_outputs, before.ungraded_outputs) == (tuple(sorted(dropped_outputs)),
-                                                                      tuple(sorted(ungraded_outputs))):
-            loss_only_floors = before.loss_only_floors
+        if not loss_only_floors and before is not None and before.loss_only_floors:
+            loss_only_floors = _floors_kept(before, dropped_outputs, ungraded_outputs)
         progress = PlanningProgress(f"planning {model}") if self.verbose else None
 
         def on_plan(step: PlannedStep) -> None:
@@ -455,9 +465,14 @@ class StepResolver:
                             "shapes for their gradient", sorted(graded - kept), model)
             still_dropped = dropped & usage.dropped
             return still_dropped, (dropped | ungraded) - usage.graded - still_dropped
-        if dropped or ungraded or not solved_here or call.key in self._refined:
+        if not solved_here or call.key in self._refined:
             return None
-        to_free, without_gradient = usage.dropped, usage.ungraded
+        if plan.loss_only_floors and ungraded and not dropped and ungraded <= usage.dropped:
+            to_free, without_gradient = ungraded, frozenset[int]()  # NOTE [refined step-down]
+        elif dropped or ungraded:
+            return None
+        else:
+            to_free, without_gradient = usage.dropped, usage.ungraded
         saved = sum(usage.output_bytes[i] for i in to_free | without_gradient if i < len(usage.output_bytes))
         if saved < REFINE_MIN_SHARE * plan.predicted_peak_bytes:
             return None
@@ -527,6 +542,18 @@ class StepResolver:
                    "reduce the batch size.") from None
 
 
+def _floors_kept(before: Plan, dropped: frozenset[int], ungraded: frozenset[int]) -> tuple[int, ...]:
+    """The floors a re-plan of ``before``, a first plan stepped down, refuses other uses by (NOTE [loss-only first
+    plan]): for the same outputs (a calibration) its floors; for the same outputs freed where they were held, or
+    held where it freed them for a caller that dropped them (NOTE [refined step-down]), only the first, which
+    refuses a gradient into them."""
+    if (before.dropped_outputs, before.ungraded_outputs) == (tuple(sorted(dropped)), tuple(sorted(ungraded))):
+        return before.loss_only_floors
+    if {*before.dropped_outputs, *before.ungraded_outputs} == dropped | ungraded:
+        return before.loss_only_floors[:1]
+    return ()
+
+
 def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
     """Make ``step``'s backward refuse a caller that uses the outputs other than the loss more than ``plan``, a
     first plan stepped down, allows (NOTE [loss-only first plan]).  With several ranks every rank's backward asks
@@ -535,7 +562,7 @@ def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
     if not floors or not hasattr(step.run, "refuse_usage"):
         return
     others = frozenset(plan.dropped_outputs) | frozenset(plan.ungraded_outputs)
-    freed = bool(plan.dropped_outputs)
+    freed = bool(plan.dropped_outputs) and len(floors) > 1  # one floor: a refined plan, holding fits (NOTE [refined step-down])
 
     def check(usage: OutputUsage) -> None:
         graded = sorted(others & usage.graded)

@@ -306,6 +306,19 @@ def test_a_forward_with_nothing_from_the_input_in_a_block_plans(uses_input):
                if q.grad is not None)
 
 
+def test_inputs_passed_outside_their_tuple_or_dict_are_named_with_the_call_to_write():
+    """A tensor where the tuple of positional inputs goes failed on the tensor's truth value (or, with one element,
+    was unpacked into its rows); a batch dict there was unpacked into its keys."""
+    model, x = nn.Linear(4, 4), torch.randn(8, 4)
+    with pytest.raises(TypeError, match=r"args is a Tensor.*rematerialize\(model, \(x,\), budget=\.\.\.\)"):
+        rematerialize(model, x, budget=10**9, verbose=False)
+    with pytest.raises(TypeError, match=r"args is a dict.*kwargs=batch"):
+        rematerialize(model, {"input": x}, budget=10**9, verbose=False)
+    with pytest.raises(TypeError, match=r"kwargs is a Tensor.*rematerialize\(model, \(x, y\), budget=\.\.\.\)"):
+        rematerialize(model, (x,), x, budget=10**9, verbose=False)
+    assert rematerialize(model, [x], budget=10**9, verbose=False).plan is not None  # a list is a tuple here
+
+
 def test_uncapturable_model_names_the_line():
     """A model torch.export cannot capture gives a CaptureError naming the file and line, not a deep traceback."""
     with pytest.raises(CaptureError, match=r"remat_plugin.capture: .*test_api.py:\d+"):

@@ -196,6 +196,20 @@ def _remade(original: nn.Module, budget: int | str, ilp_time_limit_s: float, opt
     return rm
 
 
+def _check_example_inputs(args: object, kwargs: object) -> None:
+    """A tensor or a batch dict passed where the tuple of positional inputs goes used to fail deep inside (a
+    tensor's truth value) or be unpacked into its rows or keys: said here, with the call to write instead."""
+    if isinstance(args, Mapping):
+        raise TypeError(f"rematerialize: args is a {type(args).__name__}; pass keyword inputs (a batch dict) as "
+                        "kwargs: rematerialize(model, kwargs=batch, budget=...)")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"rematerialize: args is a {type(args).__name__}, not a tuple of the forward's positional "
+                        "inputs; for one input write rematerialize(model, (x,), budget=...)")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"rematerialize: kwargs is a {type(kwargs).__name__}, not a dict of the forward's keyword "
+                        "inputs; positional inputs go in one tuple: rematerialize(model, (x, y), budget=...)")
+
+
 def rematerialize(
     module: nn.Module,
     args: tuple = (),
@@ -227,6 +241,7 @@ def rematerialize(
     in at every call (NOTE [layers traced once] in :mod:`remat_plugin.capture.repeated_layers`); False traces
     every layer (the same plan, planned more slowly).
     """
+    _check_example_inputs(args, kwargs)
     rm = RematModule(module, budget, ilp_time_limit_s, verbose=verbose, compile=compile,
                      backward_segments=backward_segments, trace_layers_once=trace_layers_once)
     if args or kwargs:

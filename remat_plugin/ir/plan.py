@@ -59,7 +59,8 @@ class Plan:
     # A first plan that stepped down (NOTE [loss-only first plan] in remat_plugin.runtime.resolver): the floors of
     # the uses its backward refuses, the other outputs differentiated and, where it frees them because no plan
     # that holds them fits, held without a gradient (a plan that frees them for a caller that drops them has the
-    # first only: NOTE [refined step-down]).  It travels with the plan (ranks, the disk cache), so every step running it refuses alike.
+    # first only: NOTE [refined step-down]).  It travels with the plan (ranks, the disk cache), so every step
+    # running it refuses alike.
     loss_only_floors: tuple[int, ...] = ()
     # Where planning's time went, in order: (stage, seconds); capture stages come from the runtime,
     # "block menus" and "budget search" from the planner.  Empty for replayed and fallback plans.

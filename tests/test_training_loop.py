@@ -69,6 +69,34 @@ def test_retain_graph_twice_gives_eager_gradients(name):
     _assert_same_grads(ours.module, eager.module)
 
 
+@pytest.mark.parametrize("dispatch", ["rematerialize", "session"])
+def test_a_backward_through_an_eval_mode_call_is_said_once(caplog, dispatch):
+    """NOTE [eval-mode backward]: eval-mode calls run unplanned (validation without no_grad plans nothing); a loop
+    that trains in eval mode ran outside the budget silently, and is now told once, with the fix."""
+    import logging
+
+    from two_ranks import session_on
+
+    model, eager = _mlp(), _mlp()
+    if dispatch == "rematerialize":
+        ours = rematerialize(model, (X,), budget=10**9, verbose=False)
+    else:
+        session_on(model)
+        ours = model
+    _step(ours)
+    model.eval(), eager.eval()
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        with torch.no_grad():
+            ours(X)
+        ours(X)  # a validation call that forgets no_grad: no backward, nothing said
+        assert "eval mode" not in caplog.text
+        for _ in range(2):
+            _step(ours), _step(eager)
+            _assert_same_grads(model, eager)  # the original's own step: dropout off
+    assert caplog.text.count("backward() ran through a call of Sequential in eval mode") == 1, caplog.text
+    assert "not bounded by the budget" in caplog.text and "call .eval() on those submodules" in caplog.text
+
+
 def test_double_backward_raises_a_clear_error_at_the_call():
     """A gradient penalty needs create_graph=True: refused at that call, naming the limitation; plain grads work."""
     model = _mlp()

@@ -25,6 +25,7 @@ from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call, device_of
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, written_inputs
 from remat_plugin.runtime.store import PlanStore
+from remat_plugin.runtime.unplanned_calls import watch_eval_backward
 from remat_plugin.torch_private import suspended_user_modes
 
 log = logging.getLogger(__name__)
@@ -114,8 +115,10 @@ class RematModule(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # dynamo is tracing this call (torch.compile(rm))
             _refuse_dynamo()
-        if not (self.original.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
             return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
+        if not self.original.training:  # unplanned; a backward through it is said (NOTE [eval-mode backward])
+            return watch_eval_backward(self.original, self.original(*args, **kwargs))
         with self._planned_call(args, kwargs) as (call, budget):
             return self._resolver.run(call, self._resolver.step_for(call, budget), budget)
 

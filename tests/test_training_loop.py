@@ -97,6 +97,26 @@ def test_a_backward_through_an_eval_mode_call_is_said_once(caplog, dispatch):
     assert "not bounded by the budget" in caplog.text and "call .eval() on those submodules" in caplog.text
 
 
+def test_deterministic_algorithms_turned_on_after_planning_trains_bitwise():
+    """A step traced before ``torch.use_deterministic_algorithms(True)`` raised in its backward (AOTAutograd
+    checks the setting is as traced): the setting is part of the call's signature, so the call plans anew."""
+    model, eager = _mlp(), _mlp()
+    rm = _at_floor(model, (X,), headroom=1.2)
+    _step(rm), _step(eager)
+    _assert_same_grads(model, eager)
+    try:
+        torch.use_deterministic_algorithms(True)
+        for seed in (8, 9):
+            _step(rm, seed=seed), _step(eager, seed=seed)
+            _assert_same_grads(model, eager)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(rm.steps) == 2
+    _step(rm, seed=10), _step(eager, seed=10)  # the first step again
+    _assert_same_grads(model, eager)
+    assert len(rm.steps) == 2
+
+
 def test_double_backward_raises_a_clear_error_at_the_call():
     """A gradient penalty needs create_graph=True: refused at that call, naming the limitation; plain grads work."""
     model = _mlp()

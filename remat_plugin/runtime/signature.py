@@ -3,7 +3,8 @@
 A :class:`Signature` is what a plan depends on: the pytree layout of the call, per tensor leaf its
 shape, dtype, device type, ``requires_grad`` and, where it is not contiguous, its strides (per other
 leaf its repr: NOTE [Python values in a call] in :mod:`remat_plugin.runtime.resolver`), train and grad
-mode, the caller's autocast settings (the joint graph holds the casts autocast made), and the
+mode, the caller's autocast settings (the joint graph holds the casts autocast made), whether
+``torch.use_deterministic_algorithms`` is on (AOTAutograd's backward checks it is as traced), and the
 module's state: the names, shapes and dtypes of its parameters and buffers,
 which parameters require gradients (unfreezing a layer or adding an adapter is a new graph), and its
 module hooks (NOTE [module hooks] in :mod:`remat_plugin.capture.module_hooks`).  The Python values its modules
@@ -49,6 +50,9 @@ class Signature:
     grad_enabled: bool
     state: str = ""  # fingerprint of the module's parameters and buffers (module_state)
     autocast: tuple[tuple[str, str, bool], ...] = ()  # per enabled device type: (device, dtype, cache_enabled)
+    # torch.use_deterministic_algorithms: AOTAutograd's backward refuses to run under another setting than its
+    # forward was traced under, so a step traced before the caller turned it on raised mid-step
+    deterministic: bool = False
 
     @classmethod
     def of(cls, module: nn.Module, args: tuple, kwargs: dict, state: str | None = None) -> Signature:
@@ -61,7 +65,7 @@ class Signature:
         if state is None:
             state = module_state(module)[0]
         return cls(str(spec), tuple(desc), bool(module.training), bool(torch.is_grad_enabled()), state,
-                   autocast_state())
+                   autocast_state(), torch.are_deterministic_algorithms_enabled())
 
     @property
     def key(self) -> str:
@@ -69,7 +73,8 @@ class Signature:
         leaves = [x if isinstance(x, str) else [list(x[0]), x[1], x[2], x[3], *([list(x[4])] if x[4] else [])]
                   for x in self.leaves]
         return json.dumps([self.layout, leaves, self.training, self.grad_enabled, self.state,
-                           [list(a) for a in self.autocast]], separators=(",", ":"))
+                           [list(a) for a in self.autocast], *(["deterministic"] if self.deterministic else [])],
+                          separators=(",", ":"))  # the usual keys unchanged: plans cached on disk still match
 
     @classmethod
     def from_key(cls, key: str) -> Signature:
@@ -78,7 +83,7 @@ class Signature:
         autocast = tuple(tuple(a) for a in rest[1]) if len(rest) > 1 else ()
         return cls(layout, tuple(x if isinstance(x, str) else (tuple(x[0]), x[1], x[2], x[3], tuple(x[4] if x[4:] else ()))
                                  for x in leaves),
-                   training, grad, state, autocast)  # type: ignore[arg-type]
+                   training, grad, state, autocast, rest[2:3] == ["deterministic"])  # type: ignore[arg-type]
 
     def covers(self, small: Signature) -> bool:
         """Whether a plan for ``self`` serves ``small``: same layout, dtypes and modes, no dimension larger.
@@ -86,8 +91,8 @@ class Signature:
         Strides are left out: the step replaying the plan is traced at the call's own strides, and a graph they
         change is not the plan's graph (:class:`~remat_plugin.runtime.steps.PlanMismatch`, planned anew).
         """
-        if (self.layout, self.training, self.grad_enabled, self.state, self.autocast) != (
-                small.layout, small.training, small.grad_enabled, small.state, small.autocast):
+        if (self.layout, self.training, self.grad_enabled, self.state, self.autocast, self.deterministic) != (
+                small.layout, small.training, small.grad_enabled, small.state, small.autocast, small.deterministic):
             return False
         if len(self.leaves) != len(small.leaves):
             return False

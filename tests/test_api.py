@@ -371,6 +371,24 @@ def test_a_ctc_loss_inside_the_model_is_named_with_the_fix():
         rematerialize(_CTCHead(), (torch.randn(2, 10, 8), torch.randint(1, 6, (2, 3))), budget=10**9)
 
 
+def test_parameters_swapped_for_plain_tensors_are_named_with_the_fix():
+    """torch.func.functional_call with plain tensors (meta-learning, an EMA evaluated functionally): export refuses
+    them; the error says why and what to call instead.  nn.Parameter values train with the original's gradients."""
+    from torch.func import functional_call
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    rm = rematerialize(model, (x,), budget=10**9, verbose=False)
+    tensors = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    with pytest.raises(CaptureError, match=r"swapped for plain tensors.*functional_call on the unplanned model, "
+                                           r"rm\.original, or pass nn\.Parameter values"):
+        functional_call(rm, tensors, (x,))
+    params = {k: nn.Parameter(v.detach() * 2) for k, v in model.named_parameters()}
+    grads = torch.autograd.grad(functional_call(rm, params, (x,)).sum(), list(params.values()))
+    expected = torch.autograd.grad(functional_call(model, params, (x,)).sum(), list(params.values()))
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+
+
 class _BranchyLayers(nn.Module):
     """Data-dependent control flow at the top, a ModuleList of BatchNorm+dropout layers inside."""
 

@@ -107,6 +107,11 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             hint = (" (the CTC loss sizes its work by the values of its lengths, which a traced graph cannot depend "
                     "on: return the log-probabilities and compute F.ctc_loss outside the model, or call a "
                     "transformers CTC model without labels=...)")
+        elif "is not an instance of torch.nn.Parameter" in first:
+            hint = (" (its parameters were swapped for plain tensors, as torch.func.functional_call and "
+                    "torch.nn.utils.stateless do: a planned step is traced on the module's own Parameters; call "
+                    "functional_call on the unplanned model, rm.original, or pass nn.Parameter values, each new set "
+                    "captured again)")
         elif "num_batches_tracked" in library_line:
             hint = (" (a BatchNorm built with momentum=None averages its statistics by its batch count, a buffer's "
                     "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "

@@ -7,7 +7,8 @@
 #     transformers==5.24.0
 # Then, from the repository root there:  OUT=<folder> bash tests/cuda/device_check.sh
 # Writes: cuda_tests.log (tests/cuda, the float32 tests in a process of their own), bench_cuda.{json,log} (python -m remat_plugin.bench --device cuda),
-# compare_cuda.{md,json} (bench compare --device cuda, inductor), bench_cuda_big.{json,log} (gpt2-small, when BIG_S > 0).  Each step has its own time limit, so a slow one
+# compare_cuda.{md,json} (bench compare --device cuda, inductor), bench_cuda_big.{json,log} (gpt2-small, when BIG_S > 0),
+# per_layer_price.log (tests/cuda/diagnostics/per_layer_price.py, when PRICE_S > 0).  Each step has its own time limit, so a slow one
 # leaves the others' results.
 set -u
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -40,6 +41,12 @@ if [ "${BIG_S:-0}" -gt 0 ]; then
   timeout "$BIG_S" python3 -X faulthandler -m remat_plugin.bench --device cuda --model gpt2-small \
     --budgets "${BIG_BUDGETS:-1.0,0.5}" --pairs 5 --json "$OUT/bench_cuda_big.json" 2>&1 | tee "$OUT/bench_cuda_big.log"
   echo "big bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/bench_cuda_big.log"
+fi
+
+# Our plan against checkpointing priced by our own cost model, GPT-2 small on the GPU (Known limits, GPU).
+if [ "${PRICE_S:-0}" -gt 0 ]; then
+  timeout "$PRICE_S" python3 "$REPO/tests/cuda/diagnostics/per_layer_price.py" cuda gpt2-small 0.38 0.42 0.5 2>&1 \
+    | tee "$OUT/per_layer_price.log"
 fi
 
 timeout "${BENCH_S:-130}" python3 -X faulthandler -m remat_plugin.bench --device cuda --model "${BENCH_MODELS:-gpt2-tiny,llama-tiny,resnet-tiny}" \

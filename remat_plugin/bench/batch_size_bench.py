@@ -165,7 +165,7 @@ def run(budget_bytes: int, n_layer: int = 4, n_embd: int = 256, n_head: int = 4,
         except InfeasibleBudgetError as exc:
             rm = rematerialize(probe, (), {"input_ids": ids, "labels": ids}, budget=exc.min_feasible_bytes)
         assert rm.plan is not None
-        if rm.plan.dropped_outputs and len(rm.plan.loss_only_floors) > 1:
+        if rm.plan.refuses_holding:
             # This process's planner put the held-logits floor a little above the search's, so the first plan
             # stepped down to freeing them: plan at that floor instead, the logits held as the search planned.
             rm = rematerialize(probe, (), {"input_ids": ids, "labels": ids}, budget=rm.plan.loss_only_floors[1])

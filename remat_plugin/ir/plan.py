@@ -70,6 +70,13 @@ class Plan:
     scratch_ops: tuple[tuple[str, int], ...] = ()
 
     @property
+    def refuses_holding(self) -> bool:
+        """A first plan that frees the outputs beside the loss because no plan holding them fits: its backward
+        refuses a caller that holds them, and ``loss_only_floors[1]`` is what that needs.  One refined for a caller
+        that drops them has one floor and does not refuse (NOTE [refined step-down])."""
+        return bool(self.dropped_outputs) and len(self.loss_only_floors) > 1
+
+    @property
     def predicted_overhead(self) -> float:
         """Predicted step time over the unmodified step time (1.0 = no recomputation)."""
         return self.predicted_time_ms / self.baseline_time_ms if self.baseline_time_ms else 1.0

@@ -29,6 +29,7 @@ __all__ = [
     "checkmate_solve",
     "rotor_planner",
     "rotor_schedule",
+    "segmented_schedule",
     "sqrt_n_schedule",
     "sqrt_n_segments",
 ]
@@ -80,8 +81,14 @@ def sqrt_n_schedule(problem: Problem, constants: set[str], blocks: list[Block] |
     only the segment inputs (plus constants, unrecomputable outputs and ``live_out`` values).
     """
     blocks = make_blocks(problem, constants) if blocks is None else blocks
+    return segmented_schedule(problem, blocks, sqrt_n_segments(len(blocks)))
+
+
+def segmented_schedule(problem: Problem, blocks: list[Block], segments: list[list[int]]) -> Schedule:
+    """Checkpointing by ``segments`` (lists of consecutive block indices covering the chain): the first pass keeps
+    only what segment inputs need; each segment is recomputed from its input just before its backward."""
     seq: list[str] = []
-    for seg in reversed(sqrt_n_segments(len(blocks))):
+    for seg in reversed(segments):
         fwd = [n for i in seg for n in blocks[i].fwd_ops]
         bwd_set = {n for i in seg for n in blocks[i].bwd_ops}
         bwd = [o.name for o in problem.bwd_ops if o.name in bwd_set]

@@ -56,7 +56,7 @@ def _loss_only(plan: Plan) -> str:
         return ""
     others = sorted({*plan.dropped_outputs, *plan.ungraded_outputs})
     graded = f"a step that differentiates them needs {human_bytes(floors[0])}"
-    if plan.dropped_outputs and len(floors) > 1:
+    if plan.refuses_holding:
         return (f"; only the loss fits: output(s) {others} are freed after the forward (a step that holds them "
                 f"through backward() needs {human_bytes(floors[1])}, {graded})")
     if plan.dropped_outputs:  # NOTE [refined step-down]

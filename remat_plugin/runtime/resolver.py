@@ -565,9 +565,7 @@ def _refuse_other_uses(step: PlannedStep, plan: Plan, model: str) -> None:
     if not floors or not hasattr(step.run, "refuse_usage"):
         return
     others = frozenset(plan.dropped_outputs) | frozenset(plan.ungraded_outputs)
-    # A plan that frees them with one floor was refined for a caller that drops them: holding them fits the budget
-    # (NOTE [refined step-down]), and is planned for as NOTE [output usage] says, not refused.
-    freed = bool(plan.dropped_outputs) and len(floors) > 1
+    freed = plan.refuses_holding  # a refined plan's caller who holds them is planned for (NOTE [output usage])
 
     def check(usage: OutputUsage) -> None:
         graded = sorted(others & usage.graded)

@@ -27,8 +27,8 @@ _told: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def watch_eval_backward(module: nn.Module, output: Any) -> Any:
     """``output``, whose tensors requiring grad say once, when a backward reaches them, that ``module``'s eval-mode
-    call ran unplanned (NOTE [eval-mode backward]).  A no-op under ``no_grad`` or once told."""
-    if not torch.is_grad_enabled() or module in _told:
+    call ran unplanned (NOTE [eval-mode backward]).  Called with grad on; a no-op once told."""
+    if module in _told:
         return output
     ref = weakref.ref(module)
 

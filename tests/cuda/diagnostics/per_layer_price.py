@@ -12,13 +12,11 @@ On this CPU (`cpu gpt2-tiny 0.3 0.5`, 2026-11-28): every block 0.23 of the peak 
 1.10x at 0.5, no checkpointing schedule faster."""
 import sys
 
-import torch
-
 from remat_plugin.bench.models import build
 from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
-from remat_plugin.planning.baselines import _segment_recompute, sqrt_n_segments
+from remat_plugin.planning.baselines import segmented_schedule, sqrt_n_segments
 from remat_plugin.planning.choose_plan import make_plan
 from remat_plugin.planning.menus import Planner
 from remat_plugin.runtime.steps import captured_problem
@@ -27,17 +25,6 @@ DEV = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 NAME = sys.argv[2] if len(sys.argv) > 2 else "gpt2-small"
 FRACTIONS = [float(f) for f in sys.argv[3:]] or [0.38, 0.42, 0.5]
 GiB = 2**30
-
-
-def segmented(problem, blocks, segments) -> Schedule:
-    """Each segment recomputed from its input just before its backward (sqrt_n_schedule's walk, any segments)."""
-    seq: list[str] = []
-    for seg in reversed(segments):
-        fwd = [n for i in seg for n in blocks[i].fwd_ops]
-        inside = {n for i in seg for n in blocks[i].bwd_ops}
-        bwd = [o.name for o in problem.bwd_ops if o.name in inside]
-        seq += _segment_recompute(problem, fwd, bwd) + bwd
-    return Schedule(tuple(seq))
 
 
 bench = build(NAME, device=DEV)
@@ -62,7 +49,7 @@ schedules = {
 }
 priced = {}
 for name, segs in schedules.items():
-    sim = simulate(problem, segmented(problem, blocks, segs))
+    sim = simulate(problem, segmented_schedule(problem, blocks, segs))
     priced[name] = sim
     print(f"checkpointing {name:30s}: peak {sim.peak_bytes / GiB:.3f} GiB ({sim.peak_bytes / base.peak_bytes:.2f}), "
           f"{sim.time_ms / base.time_ms:.3f}x")

@@ -347,6 +347,31 @@ def test_a_line_reading_an_argument_s_values_is_named_with_the_fix():
     assert rematerialize(_ChecksItsLabels(), (x,), budget=10**9, verbose=False).plan is not None
 
 
+class _KeepsTheLabelledRows(nn.Module):
+    """Branches on a size computed from a tensor argument's values, inside a block on that argument, as
+    transformers' DeBERTa classification loss does (``if label_index.size(0) > 0:``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 5)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        if labels is not None:
+            labelled = (labels >= 0).nonzero()
+            if labelled.size(0) > 0:
+                return nn.functional.cross_entropy(logits[labelled[:, 0]], labels[labelled[:, 0]])
+        return logits
+
+
+def test_a_branch_on_a_size_from_an_argument_s_values_names_the_argument_with_the_fix():
+    """The failing line names no argument; the block around it does, and the error names it with the fix."""
+    x, labels = torch.randn(4, 8), torch.tensor([0, -1, 2, 3])
+    with pytest.raises(CaptureError, match=r"the block that line is in reads the values of 'labels'.*without "
+                                           r"labels=\.\.\."):
+        rematerialize(_KeepsTheLabelledRows(), (x,), {"labels": labels}, budget=10**9)
+
+
 def test_a_failing_torch_nn_line_is_named_with_the_fix():
     """A model that fails inside a torch.nn module gets that module's line beside its own, and BatchNorm's
     cumulative average (momentum=None, a buffer's value read every step) gets the fix."""

@@ -63,6 +63,26 @@ def _eager_experts(frame: FrameType | None) -> bool:
 
 
 _TORCH_NN = "site-packages/torch/nn/"
+
+
+def _enclosing_lines(filename: str, lineno: int) -> list[str]:
+    """The headers of the blocks around a line, innermost first, up to its function's ``def``: a data-dependent
+    branch on a value computed from an argument (``if label_index.size(0) > 0:`` inside ``if labels is not None:``,
+    DeBERTa's classification loss) names the argument there, not on the failing line."""
+    def indent(text: str) -> int:
+        return len(text) - len(text.lstrip())
+
+    line = linecache.getline(filename, lineno)
+    depth, headers = indent(line), []
+    for n in range(lineno - 1, max(lineno - 200, 0), -1):
+        text = linecache.getline(filename, n)
+        if not text.strip() or text.lstrip().startswith(("#", ")", "]", "}")) or indent(text) >= depth:
+            continue
+        depth = indent(text)
+        if text.lstrip().startswith(("def ", "async def ", "class ")):
+            break
+        headers.append(text.strip())
+    return headers
 _RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
 
 
@@ -117,10 +137,12 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
                     "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "
                     "the default 0.1)")
         elif "data-dependent" in first or "DataDependent" in type(exc).__name__:
+            blocks = _enclosing_lines(user[-1].f_code.co_filename, user[-1].f_lineno) if user else []
             read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
-                    and re.search(rf"\b{re.escape(name)}\b", line)]
+                    and any(re.search(rf"\b{re.escape(name)}\b", text) for text in [line, *blocks])]
             if read:
-                hint = (f" (that line reads the values of {read[0]!r}, which a traced graph cannot depend on: call the "
+                which = "that line" if re.search(rf"\b{re.escape(read[0])}\b", line) else "the block that line is in"
+                hint = (f" ({which} reads the values of {read[0]!r}, which a traced graph cannot depend on: call the "
                         f"model without {read[0]}=... and compute what needs it, such as the loss, from its outputs)")
             elif _eager_experts(user[-1] if user else None):
                 hint = (" (transformers' eager experts loop over the experts a batch routes to, a data-dependent "

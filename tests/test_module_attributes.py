@@ -133,6 +133,44 @@ def test_a_value_the_forward_sets_once_is_set_and_watched(caplog):
         step("regression")
     assert "config.problem_type ('regression', traced with 'multi_label_classification')" in caplog.text
 
+class _Windowed(nn.Module):
+    """Clamps its window to a shorter input at every call, as transformers' Swin layers clamp ``shift_size`` and
+    ``window_size`` (NOTE [values the forward sets])."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.1)
+        self.window, self.shift = 8, 3
+
+    def forward(self, x):
+        if x.shape[1] <= self.window:
+            self.shift, self.window = 0, x.shape[1]
+        h = self.drop(self.lin(x))
+        return (torch.roll(h, self.shift, dims=1) if self.shift else h).tanh().square().mean()
+
+
+def test_a_value_the_forward_sets_from_its_inputs_sizes_is_not_taken_for_a_counter(caplog):
+    """The first call clamps the values, later calls write what is there: nothing is warned about, the model is
+    left as an eager call leaves it, and steps are bitwise; a longer input is unclamped and also bitwise."""
+    model = _Windowed().double()
+    ref = copy.deepcopy(model)
+    short = torch.randn(4, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rm = rematerialize(model, budget=10**9, verbose=False)
+        for i in range(3):
+            _step(rm, ref, f"step {i}", short)
+    assert "forward changes Python values" not in caplog.text
+    assert (model.shift, model.window) == (ref.shift, ref.window) == (0, 6)
+    fresh, fresh_ref = _Windowed().double(), _Windowed().double()
+    long = torch.randn(4, 12, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    rm = rematerialize(fresh, budget=10**9, verbose=False)
+    for i in range(2):
+        _step(rm, fresh_ref, f"long step {i}", long)
+    assert (fresh.shift, fresh.window) == (3, 8)
+
+
 class Scaled(nn.Module):
     """A plain tensor attribute (not a registered buffer), and an activation module without parameters."""
 

@@ -488,6 +488,14 @@ def build_step(
     else:
         with traced_values(module) as values:  # NOTE [module attributes]
             gm, layers = _export(module, args, kwargs, options)
+        put_back = values.left_as_the_forward_left_them()
+        if put_back is not None:  # NOTE [values the forward sets]
+            with traced_values(module) as again:
+                gm_again, layers_again = _export(module, args, kwargs, options)
+            if again.wrote_nothing():
+                gm, layers, values = gm_again, layers_again, again
+            else:
+                put_back()
         gm.meta[GUARD_META] = values.guard()
     named: dict[str, torch.Tensor] = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))

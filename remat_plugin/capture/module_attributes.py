@@ -33,6 +33,17 @@ NOTE [shared submodules]
     forward: a false warning, and the entries left the guard, so a submodule replaced after planning
     went unseen.
 
+NOTE [values the forward sets]
+    A forward may set a value from its inputs' sizes at every call: transformers' Swin layers clamp
+    ``shift_size`` to 0 and ``window_size`` to the resolution where the window covers the whole input
+    (the last stage of a 224-pixel Swin-T).  The first call changes it, each later call writes what is
+    there, so the graph does not depend on it changing.  Read as a value the forward changes, it was
+    warned about on every Swin model (keep it in a buffer: a false alarm) and left the guard.  When a
+    trace writes values, they are set as the call leaves them and the model is traced once more
+    (once per model and value): a trace that writes nothing is a step eager runs from then on, and
+    is kept with those values in its guard, nothing warned about.  A trace that writes again (a
+    counter) puts the values back and keeps the first trace, as before.
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -45,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,12 +164,37 @@ class TracedValues:
             return after is not _MISSING and [n for n, _ in after] == [n for n, _ in before]
         return _same(after, before)
 
+    def _written(self) -> set[str]:
+        after = self.after or {}
+        return {where for _, name, value, where in self.before
+                if not self._kept(name, value, after.get(where, _MISSING))} if self.after is not None else set()
+
+    def left_as_the_forward_left_them(self) -> Callable[[], None] | None:
+        """Sets the plain values the forward wrote, none of them told about yet, as its call leaves them, for a trace
+        again (NOTE [values the forward sets]); returns what puts them back, or None where there are none."""
+        written = self._written() - _told_written.get(self.module, set())
+        entries = [e for e in self.before if e[3] in written]
+        if not entries or any(name is _CHILDREN for _, name, _, _ in entries) or \
+                all(value is None for _, _, value, _ in entries):
+            return None  # a submodule replaced; values set once only, which the guard sets (NOTE [values set once])
+        after = self.after or {}
+        for owner, name, _, where in entries:
+            setattr(owner, name, after[where])
+
+        def put_back() -> None:
+            for owner, name, value, _ in entries:
+                setattr(owner, name, value)
+        return put_back
+
+    def wrote_nothing(self) -> bool:
+        """Whether the traced forward left every value as it found it."""
+        return not self._written()
+
     def guard(self) -> Guard:
         """The guard of the traced graph; says once which values the forward itself changed, which leave it.  A
         value the forward set where it was None stays in it, set as the forward set it (NOTE [values set once])."""
         module, after = self.module, self.after or {}
-        written = {where for _, name, value, where in self.before
-                   if not self._kept(name, value, after.get(where, _MISSING))} if self.after is not None else set()
+        written = self._written()
         entries = list(self.before)
         for i, (owner, name, value, where) in enumerate(entries):
             now = after.get(where, _MISSING)

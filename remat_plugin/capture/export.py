@@ -22,6 +22,7 @@ from torch import nn
 
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
 from remat_plugin.capture.compiled_programs import compile_program
+from remat_plugin.capture.dataclass_trees import outputs_registered
 from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
@@ -93,7 +94,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
-                eager_masks(), hooks.recorded(), warnings.catch_warnings():
+                eager_masks(), hooks.recorded(), outputs_registered(module), warnings.catch_warnings():
             # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
             exported = torch.export.export(module, args, kwargs, strict=False)

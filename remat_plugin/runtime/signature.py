@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from remat_plugin.capture.dataclass_trees import register_dataclasses
 from remat_plugin.capture.module_hooks import hooks_state
 from remat_plugin.torch_private import autocast_state, pytree
 
@@ -184,6 +185,7 @@ class Call:
     @classmethod
     def of(cls, module: nn.Module, args: tuple, kwargs: dict) -> Call:
         args, kwargs = tuple(args), dict(kwargs)
+        register_dataclasses((args, kwargs))  # NOTE [dataclass inputs and outputs]
         state, ids = module_state(module)
         return cls(args, kwargs, Signature.of(module, args, kwargs, state), device_of(args, kwargs, module), ids)
 

@@ -120,3 +120,56 @@ def test_gqa_llama_without_a_mask_is_eager_within_the_last_bits():
     assert differ and all(n.endswith(("k_proj.weight", "v_proj.weight", "input_layernorm.weight")) for n in differ)
     for name in differ:
         assert (mine[name] - oracle[name]).abs().max() <= 2e-15 * oracle[name].abs().max(), name
+
+
+def _packed(seed: int) -> dict:
+    """Three sequences packed in each row, positions restarting at 0, no attention_mask (a padding-free collator)."""
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+    positions = torch.tensor([list(range(10)) + list(range(8)) + list(range(6))] * 2)
+    return {"input_ids": ids, "position_ids": positions, "labels": ids}
+
+
+def test_packed_sequences_are_kept_apart_as_without_the_cache_and_said_once(caplog):
+    """NOTE [packed sequences without the cache]: with its cache on, the model lets packed sequences attend to each
+    other (its gradients far from the same model's with use_cache=False); the planned steps run without the cache,
+    so they keep them apart, bitwise the model called with use_cache=False, and say so once."""
+    model, without, with_cache = _model("llama"), _model("llama"), _model("llama")
+    disable_hf_cache(without)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rm = rematerialize(model, budget=10**12, verbose=False)
+        for seed in (0, 1):
+            for m in (rm, without, with_cache):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                m(**_packed(seed)).loss.backward()
+            ours, oracle, cached = _grads(model), _grads(without), _grads(with_cache)
+            assert all(torch.equal(ours[n], oracle[n]) for n in oracle)
+            assert max(((cached[n] - oracle[n]).abs().max() / oracle[n].abs().max()).item() for n in oracle) > 1e-3
+    assert caplog.text.count("keeps sequences packed in position_ids apart only without a cache") == 1
+    caplog.clear()
+    plain = _model("llama")
+    plain.config.use_cache = False  # the caller's own calls keep the packing too: nothing to say
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rematerialize(plain, budget=10**12, verbose=False)(**_packed(0)).loss.backward()
+    assert "position_ids" not in caplog.text
+
+
+def test_a_session_on_a_model_whose_cache_an_adapter_turned_off_says_it_too(caplog):
+    """The Lightning and Accelerate adapters turn the cache off for the whole run (disable_hf_cache): their
+    session's packed training calls are said once as well, and trained as the model without the cache trains."""
+    from remat_plugin.runtime.config import RematConfig
+    from remat_plugin.runtime.session import RematSession
+
+    model, without = _model("llama"), _model("llama")
+    disable_hf_cache(model)
+    disable_hf_cache(without)
+    session = RematSession(model, RematConfig(budget=10**12, ilp_time_limit_s=0.2))
+    model.forward = session.dispatcher(model.forward)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for m in (model, model, without):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(0)
+            m(**_packed(0)).loss.backward()
+    assert caplog.text.count("keeps sequences packed in position_ids apart only without a cache") == 1
+    ours, oracle = _grads(model), _grads(without)
+    assert all(torch.equal(ours[n], oracle[n]) for n in oracle)

@@ -16,10 +16,18 @@ NOTE [training without the cache]
 from __future__ import annotations
 
 import contextlib
+import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
+
+_off_for_good: dict[int, weakref.ref] = {}  # configs disable_hf_cache turned off, by id (configs are unhashable)
+_told_packing: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def cached_configs(target: nn.Module) -> list[tuple[str, Any]]:
@@ -43,7 +51,37 @@ def disable_hf_cache(target: nn.Module) -> list[str]:
     found = cached_configs(target)
     for _, config in found:
         config.use_cache = False
+        _off_for_good[id(config)] = weakref.ref(config)
     return [name for name, _ in found]
+
+
+def say_packing_honoured(target: nn.Module, kwargs: dict, turned_off: bool) -> None:
+    """NOTE [packed sequences without the cache]
+        transformers reads sequences packed in one row from ``position_ids`` (each sequence restarting at 0,
+        as padding-free collators pass them) only when a call has no ``attention_mask`` and no cache: its
+        mask then keeps each sequence to itself.  A model with its cache on (the config default) ignores the
+        packing in training calls, so the packed sequences attend to each other.  Planned calls run without
+        the cache, so they honour it: their gradients are those of the model called with
+        ``use_cache=False``, not of its calls with the cache on (found with a packed Llama: 1.3x off).
+        Such a call is said once per model, with the way to make the two the same.
+    """
+    if target in _told_packing or kwargs.get("attention_mask") is not None or \
+            not isinstance(kwargs.get("position_ids"), torch.Tensor):
+        return
+    if not turned_off and not any(_off_for_good.get(id(c), lambda: None)() is c for c in _configs(target)):
+        return
+    _told_packing.add(target)
+    log.warning(
+        "remat_plugin: %s is called with position_ids and no attention_mask, with its key/value cache turned off "
+        "for planned training calls. transformers keeps sequences packed in position_ids apart only without a "
+        "cache, so these steps honour the packing where the model with its cache on lets the packed sequences "
+        "attend to each other: the gradients are those of the model called with use_cache=False. Set "
+        "model.config.use_cache = False to have your own calls do the same (or pass an attention_mask)",
+        type(target).__name__)
+
+
+def _configs(target: nn.Module) -> list[Any]:
+    return [m.__dict__["config"] for m in target.modules() if "config" in m.__dict__]
 
 
 @contextlib.contextmanager

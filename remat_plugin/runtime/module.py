@@ -18,7 +18,7 @@ from remat_plugin.ir.problem import Problem
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.compiled_models import refuse_compiled
-from remat_plugin.runtime.hf_cache import cache_off
+from remat_plugin.runtime.hf_cache import cache_off, say_packing_honoured
 from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.resolver import StepResolver
 from remat_plugin.runtime.side_effects import unobserved
@@ -150,6 +150,7 @@ class RematModule(nn.Module):
                          "(a training step has no use for the key/value cache, which cannot be captured; the config "
                          "is set back after each call)")
             self._told_cache_off = self._told_cache_off or bool(turned_off)
+            say_packing_honoured(self.original, kwargs, bool(turned_off))  # NOTE [packed sequences without the cache]
             call = Call.of(self.original, args, kwargs)
             yield call, functools.partial(self._budget_bytes, call)
 

@@ -30,6 +30,7 @@ from remat_plugin.runtime.agreement import RankAgreement
 from remat_plugin.runtime.budget import parse_budget
 from remat_plugin.runtime.config import RematConfig
 from remat_plugin.runtime.dispatch import Dispatcher
+from remat_plugin.runtime.hf_cache import say_packing_honoured
 from remat_plugin.runtime.optimizer_state import pending_state_bytes
 from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.resolver import StepResolver
@@ -104,6 +105,7 @@ class RematSession:
         return self._dispatch.record_call(run)
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
+        say_packing_honoured(self.module, kwargs, turned_off=False)  # NOTE [packed sequences without the cache]
         call = Call.of(self.module, args, kwargs)
 
         def budget() -> int:

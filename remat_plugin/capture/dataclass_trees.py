@@ -35,7 +35,10 @@ def register_dataclasses(tree: Any) -> None:
         if not new:
             return
         for cls in new:
-            torch.export.register_dataclass(cls)
+            try:
+                torch.export.register_dataclass(cls)
+            except Exception:  # noqa: BLE001 -- left unknown: export then names the type, as before
+                return
 
 
 @contextlib.contextmanager

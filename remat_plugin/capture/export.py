@@ -64,6 +64,7 @@ def _eager_experts(frame: FrameType | None) -> bool:
 
 
 _TORCH_NN = "site-packages/torch/nn/"
+_RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
 
 
 def _enclosing_lines(filename: str, lineno: int) -> list[str]:
@@ -84,7 +85,6 @@ def _enclosing_lines(filename: str, lineno: int) -> list[str]:
             break
         headers.append(text.strip())
     return headers
-_RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
 
 
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:

@@ -171,6 +171,34 @@ def test_a_value_the_forward_sets_from_its_inputs_sizes_is_not_taken_for_a_count
     assert (fresh.shift, fresh.window) == (3, 8)
 
 
+class _InitialisedOnce(nn.Module):
+    """Takes a branch at its first call only, flagged by a Python bool (an ActNorm set from the first batch)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(16, 16)
+        self.initialised = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        if not self.initialised:
+            self.initialised = True
+            h = h - h.mean(0)
+        return h.tanh().square().mean()
+
+
+def test_a_branch_taken_at_the_first_call_only_is_not_taken_for_a_size_clamp(caplog):
+    """The second trace writes nothing but exports another graph: the values are put back, and the flag is warned
+    about as a value the forward changes, as before (NOTE [values the forward sets])."""
+    model = _InitialisedOnce().double()
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        rm = rematerialize(model, budget=10**9, verbose=False)
+        rm(X).backward()
+    assert "forward changes Python values (initialised)" in caplog.text
+    assert model.initialised is False
+
+
 class Scaled(nn.Module):
     """A plain tensor attribute (not a registered buffer), and an activation module without parameters."""
 

@@ -493,7 +493,7 @@ def build_step(
         if put_back is not None:  # NOTE [values the forward sets]
             with traced_values(module) as again:
                 gm_again, layers_again = _export(module, args, kwargs, options)
-            if again.wrote_nothing():
+            if again.wrote_nothing() and gm_again.code == gm.code:  # not a first-call branch (an ActNorm's init)
                 gm, layers, values = gm_again, layers_again, again
             else:
                 put_back()

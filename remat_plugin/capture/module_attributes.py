@@ -40,9 +40,11 @@ NOTE [values the forward sets]
     there, so the graph does not depend on it changing.  Read as a value the forward changes, it was
     warned about on every Swin model (keep it in a buffer: a false alarm) and left the guard.  When a
     trace writes values, they are set as the call leaves them and the model is traced once more
-    (once per model and value): a trace that writes nothing is a step eager runs from then on, and
-    is kept with those values in its guard, nothing warned about.  A trace that writes again (a
-    counter) puts the values back and keeps the first trace, as before.
+    (once per model and value): a trace that writes nothing and exports the same graph is a step
+    eager runs from then on, and is kept with those values in its guard, nothing warned about.  A
+    trace that writes again (a counter), or exports another graph (a branch taken at the first call
+    only, such as an ActNorm initialising itself from the first batch), puts the values back and
+    keeps the first trace, as before.
 
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set

@@ -272,3 +272,28 @@ def test_a_transformers_model_as_built_plans_with_its_cache_off(one_rank):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     remat.remove()
     assert model.config.use_cache
+
+
+def test_packed_sequences_of_a_model_whose_cache_it_turned_off_are_said_once(one_rank, caplog):
+    """NOTE [packed sequences without the cache]: rematerialize_fsdp turns the cache off while installed, so packed
+    position_ids are kept apart as without the cache; its training calls say so once, as rematerialize's do."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=200,
+                                         max_position_embeddings=64)).double().train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    remat = rematerialize_fsdp(model, 10 << 30)
+    ids = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    positions = torch.tensor([list(range(10)) + list(range(14))] * 2)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for _ in range(2):
+            model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
+    remat.remove()
+    assert caplog.text.count("keeps sequences packed in position_ids apart only without a cache") == 1

@@ -77,7 +77,7 @@ from remat_plugin.planning.choose_plan import chained_plan, make_plan
 from remat_plugin.planning.menus import DEFAULT_ILP_TIME_LIMIT_S
 from remat_plugin.runtime import dist
 from remat_plugin.runtime.budget import parse_budget
-from remat_plugin.runtime.hf_cache import cache_off
+from remat_plugin.runtime.hf_cache import cache_off, say_packing_honoured
 from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
@@ -190,6 +190,7 @@ class FsdpRemat:
         # off while installed, as the Lightning and Accelerate adapters have it, and back on at remove().
         self._cache = contextlib.ExitStack()
         turned_off = self._cache.enter_context(cache_off(model, {}))
+        self._cache_turned_off = bool(turned_off)
         if turned_off:
             announce(f"remat_plugin.fsdp: setting use_cache=False on {', '.join(turned_off)} (a training step has no "
                      "use for the key/value cache, which cannot be captured; remove() sets it back)")
@@ -222,6 +223,7 @@ class FsdpRemat:
         """Before a training step, settle the plans of groups the last step found (NOTE [FSDP2 budget])."""
         if self._metering or not (module.training and torch.is_grad_enabled()):
             return
+        say_packing_honoured(module, kwargs, self._cache_turned_off)  # NOTE [packed sequences without the cache]
         for g in self.groups.values():
             g.per_step, g.calls = (g.calls or g.per_step), 0
         try:

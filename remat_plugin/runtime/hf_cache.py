@@ -63,7 +63,8 @@ def say_packing_honoured(target: nn.Module, kwargs: dict, turned_off: bool) -> N
         packing in training calls, so the packed sequences attend to each other.  Planned calls run without
         the cache, so they honour it: their gradients are those of the model called with
         ``use_cache=False``, not of its calls with the cache on (found with a packed Llama: 1.3x off).
-        Such a call is said once per model, with the way to make the two the same.
+        Such a call is said once per model, with the way to make the two the same (``rematerialize``, the
+        adapters' sessions, ``rematerialize_fsdp``).
     """
     if target in _told_packing or kwargs.get("attention_mask") is not None or \
             not isinstance(kwargs.get("position_ids"), torch.Tensor):

@@ -69,7 +69,7 @@ def say_packing_honoured(target: nn.Module, kwargs: dict, turned_off: bool) -> N
     if target in _told_packing or kwargs.get("attention_mask") is not None or \
             not isinstance(kwargs.get("position_ids"), torch.Tensor):
         return
-    if not turned_off and not any(_off_for_good.get(id(c), lambda: None)() is c for c in _configs(target)):
+    if not turned_off and not any(_turned_off_for_good(config) for config in _configs(target)):
         return
     _told_packing.add(target)
     log.warning(
@@ -79,6 +79,11 @@ def say_packing_honoured(target: nn.Module, kwargs: dict, turned_off: bool) -> N
         "attend to each other: the gradients are those of the model called with use_cache=False. Set "
         "model.config.use_cache = False to have your own calls do the same (or pass an attention_mask)",
         type(target).__name__)
+
+
+def _turned_off_for_good(config: Any) -> bool:
+    ref = _off_for_good.get(id(config))
+    return ref is not None and ref() is config  # an id outlives its object: the reference tells
 
 
 def _configs(target: nn.Module) -> list[Any]:

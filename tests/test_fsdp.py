@@ -130,12 +130,12 @@ def one_rank(monkeypatch):
     dist.destroy_process_group()
 
 
-def _sharded_gpt2(dtype=torch.float64):
+def _sharded_gpt2(dtype=torch.float64, n_layer: int = 2):
     from torch.distributed.fsdp import fully_shard
 
     from remat_plugin.bench.models import build
 
-    bench = build("gpt2-tiny", n_layer=2, batch_size=2, seq_len=64, dtype=dtype)
+    bench = build("gpt2-tiny", n_layer=n_layer, batch_size=2, seq_len=64, dtype=dtype)
     for layer in bench.layers:
         fully_shard(layer)
     fully_shard(bench.module)
@@ -297,3 +297,35 @@ def test_packed_sequences_of_a_model_whose_cache_it_turned_off_are_said_once(one
             model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
     remat.remove()
     assert caplog.text.count("keeps sequences packed in position_ids apart only without a cache") == 1
+
+
+def test_a_unit_put_in_eval_mode_is_planned_and_an_eval_mode_model_s_backward_is_said(one_rank, caplog):
+    """A unit frozen by ``.eval()`` (its dropout off) in a training model ran unplanned, outside the budget, and a
+    unit with one dropout in eval mode failed against its siblings' plan: each is planned now, in a group of its
+    own, float64 gradients bitwise plain FSDP2's.  A model trained in eval mode is
+    told once, as rematerialize's (NOTE [eval-mode backward])."""
+    from remat_plugin.runtime.fsdp_units import rematerialize_fsdp
+
+    runs = {}
+    for planned in (False, True):
+        bench = _sharded_gpt2(n_layer=3)
+        bench.layers[0].eval()
+        bench.layers[1].attn.resid_dropout.eval()  # one dropout of another unit
+        remat = rematerialize_fsdp(bench.module, 10 << 30) if planned else None
+        args, kwargs = bench.make_batch(0)
+        steps = []
+        for k in range(3):
+            bench.module.zero_grad(set_to_none=True)
+            torch.manual_seed(k)
+            bench.loss(bench.module(*args, **kwargs)).backward()
+            steps.append([p.grad.full_tensor() for p in bench.module.parameters()])
+        runs[planned] = steps
+    assert remat is not None and sorted(sorted(g.units) for g in remat.groups.values()) == [[0], [1], [2]]
+    for a, b in zip(runs[False], runs[True]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    bench.module.eval()
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for _ in range(2):
+            bench.loss(bench.module(*args, **kwargs)).backward()
+    remat.remove()
+    assert caplog.text.count("backward() ran through a call of FSDPGPT2LMHeadModel in eval mode") == 1

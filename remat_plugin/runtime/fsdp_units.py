@@ -10,8 +10,11 @@ NOTE [FSDP2 units]
     Parameters, its recomputation runs inside the unit's backward (when FSDP has gathered them
     again), and FSDP's all-gathers, reduce-scatters and their order are those of the run without
     us.  Outside the leaf units (embeddings, the head, the loss) the model runs as written.
-    Leaf units of one class called with one input signature form a group: one problem, solved
-    once (on rank 0), its plans (NOTE [FSDP2 budget]) replayed by the same units on every rank.
+    Leaf units of one class called with one input signature, their modules in the same train/eval
+    modes, form a group: one problem, solved once (on rank 0), its plans (NOTE [FSDP2 budget])
+    replayed by the same units on every rank.  A training step is told by the model's mode: a unit
+    put in eval mode in a training model is planned (in a group of its own); an eval-mode model
+    runs its units as written (NOTE [eval-mode backward]).
 
 NOTE [FSDP2 budget]
     The budget is per rank: what one forward+backward may add to what that rank has allocated.
@@ -82,6 +85,7 @@ from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, captured_problem, replay_step
+from remat_plugin.runtime.unplanned_calls import watch_eval_backward
 from remat_plugin.torch_private import profiler_active, pytree, suspended_user_modes
 
 log = logging.getLogger(__name__)
@@ -117,6 +121,12 @@ def leaf_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _is_unit(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
+
+
+def _group_key(body: UnitBody, call: Call) -> str:
+    """The group a unit's call joins: its input signature and the train/eval mode of each of its modules (a unit
+    with a dropout turned off by ``.eval()`` traces another graph than its siblings)."""
+    return call.key + "|modes:" + "".join("t" if m.training else "e" for m in body.unit.modules())
 
 
 class UnitBody(nn.Module):
@@ -339,11 +349,13 @@ class FsdpRemat:
         outputs[root].register_hook(backward_starts)
 
     def _forward_for(self, index: int, real_forward: Callable) -> Callable:
-        unit = self._bodies[index].unit
-
         def forward(*args, **kwargs):
-            if not (unit.training and torch.is_grad_enabled()):
+            # The model's mode, not the unit's, tells a training step: a unit put in eval mode to freeze its
+            # dropout is planned (eval-mode; its own group), as rematerialize plans such submodules.
+            if not torch.is_grad_enabled():
                 return real_forward(*args, **kwargs)
+            if not self.model.training:  # NOTE [eval-mode backward]
+                return watch_eval_backward(self.model, real_forward(*args, **kwargs))
             return self._run_unit(index, args, kwargs)
 
         forward.__wrapped__ = real_forward  # type: ignore[attr-defined]
@@ -353,7 +365,8 @@ class FsdpRemat:
         body = self._bodies[index]
         call = Call.of(body, args, kwargs)
         self._device = call.device
-        group = self.groups.get(call.key) or self._new_group(body, call)
+        key = _group_key(body, call)
+        group = self.groups.get(key) or self._new_group(body, call, key)
         group.calls += 1
         if index not in group.units:
             group.units.append(index)
@@ -370,16 +383,16 @@ class FsdpRemat:
         return step(call.args, call.kwargs)
 
     # --- planning -------------------------------------------------------------------------
-    def _new_group(self, body: UnitBody, call: Call) -> UnitGroup:
+    def _new_group(self, body: UnitBody, call: Call, key: str) -> UnitGroup:
         def lowest_plan() -> Plan:
             captured = captured_problem(body, call.args, call.kwargs, op_timings=self.caches.op_timings)
-            self._problems[call.key] = (captured.problem, captured.constants)
+            self._problems[key] = (captured.problem, captured.constants)
             with _one_layer_is_one_block():
                 return dataclasses.replace(self._solve(captured.problem, captured.constants, 1),
                                            graph_key=captured.graph_key)
 
         lowest = dist.from_rank_zero(lowest_plan, f"planning the FSDP unit {type(body.unit).__name__}")
-        group = self.groups[call.key] = UnitGroup(call.key, lowest, lowest, lowest)
+        group = self.groups[key] = UnitGroup(key, lowest, lowest, lowest)
         return group
 
     def _solve(self, problem: Problem, constants: set[str], budget_bytes: int) -> Plan:

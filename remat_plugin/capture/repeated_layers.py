@@ -24,7 +24,8 @@ NOTE [layers traced once]
     layer differentiates that something besides that one layer call also reads (an encoder output
     read by every decoder layer, a hidden state also returned, a parameter two calls share) would be
     summed in another order than a whole-model trace sums them; such a model is traced whole
-    (:class:`NotSpliceable`, said once as a warning), as are models with hooks or buffers in their
+    (:class:`NotSpliceable`, said once as a warning), as are models with hooks (also hooks installed
+    during the traced call, as transformers' recorders of router logits are) or buffers in their
     layers, layers called with non-tensor arguments other than plain constants, and steps that
     differentiate nothing.  Under autocast the templates are traced under the caller's autocast, as the
     model is (``tests/test_repeated_layers.py`` compares bf16 autocast traces too).
@@ -77,6 +78,11 @@ def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
 
 
 _LEAF = object()  # stands for a tensor leaf among a call's non-tensor constants
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 @dataclass
@@ -287,8 +293,7 @@ class RepeatedLayers:
             elif any(isinstance(v, Tensor) for m in layer.modules() for v in vars(m).values()):
                 why = "it holds tensors as plain attributes, which the model's trace takes as inputs (NOTE [tensor " \
                       "attributes] in remat_plugin.capture.export)"
-            elif any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-                     for m in layer.modules()):
+            elif any(_hooked(m) for m in layer.modules()):
                 why = "it has hooks, which run once in a traced template"
             if why is not None:
                 log.debug("remat_plugin.capture: %s's layers are traced one by one: layer %d of %s %s",
@@ -306,6 +311,11 @@ class RepeatedLayers:
         def forward(*args, **kwargs):
             if _own_forward.depth:
                 return original(*args, **kwargs)
+            hooked = next((name for name, m in owner.layers[index].named_modules() if name and _hooked(m)), None)
+            if hooked is not None:  # installed since :meth:`of` looked: by this very call, as transformers does
+                raise NotSpliceable(f"its module {hooked} has hooks, installed during this call (as transformers "
+                                    "installs its recorders at the first call asking for router logits or "
+                                    "attentions), which would run on the traced template's values")
             leaves, spec = pytree.tree_flatten((args, kwargs))
             odd = [x for x in leaves if not isinstance(x, (Tensor, *_PLAIN_CONSTANTS))]
             if odd:

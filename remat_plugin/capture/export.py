@@ -428,6 +428,11 @@ def _export(module: nn.Module, args: tuple, kwargs: dict,
             return gm, layers
         except Exception as exc:  # noqa: BLE001 -- any failure of the opaque export: the whole export decides
             gm = export_module(module, args, kwargs)  # its error, if it fails too, is the one to see
+            hooked = layers.hooked_module()
+            if hooked is not None and "fake tensor" in str(exc).lower():  # what a hook recording a template's value
+                # leaves in the exported constants: transformers' recorders of router logits or attentions
+                exc = NotSpliceable(f"{hooked} got hooks during the call (as transformers installs its output "
+                                    "recorders), which recorded the values of a layer traced once")
             _warn_traced_whole(type(module).__name__, exc)
             return gm, None
     return export_module(module, args, kwargs), None

@@ -301,6 +301,15 @@ class RepeatedLayers:
                 return None
         return RepeatedLayers(layers)
 
+    def hooked_module(self) -> str | None:
+        """A module inside a layer that has hooks now (``"layer 0's self_attn"``), though :meth:`of` found none: hooks
+        installed by the traced call itself, as transformers installs its output recorders."""
+        for index, layer in enumerate(self.layers):
+            name = next((name for name, m in layer.named_modules() if name and _hooked(m)), None)
+            if name is not None:
+                return f"layer {index}'s {name}"
+        return None
+
     def opaque(self) -> contextlib.AbstractContextManager[None]:
         """Inside, each layer's forward is one ``remat_plugin::layer`` op (for ``torch.export``)."""
         return swapped_forwards(self.layers, self._opaque_forward)
@@ -311,11 +320,6 @@ class RepeatedLayers:
         def forward(*args, **kwargs):
             if _own_forward.depth:
                 return original(*args, **kwargs)
-            hooked = next((name for name, m in owner.layers[index].named_modules() if name and _hooked(m)), None)
-            if hooked is not None:  # installed since :meth:`of` looked: by this very call, as transformers does
-                raise NotSpliceable(f"its module {hooked} has hooks, installed during this call (as transformers "
-                                    "installs its recorders at the first call asking for router logits or "
-                                    "attentions), which would run on the traced template's values")
             leaves, spec = pytree.tree_flatten((args, kwargs))
             odd = [x for x in leaves if not isinstance(x, (Tensor, *_PLAIN_CONSTANTS))]
             if odd:

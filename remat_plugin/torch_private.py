@@ -13,7 +13,10 @@ into a warning for people porting to a new release.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -76,6 +79,7 @@ __all__ = [
     "is_primal",
     "is_tangent",
     "lazy_graph_module",
+    "partial_graph_unprinted",
     "profiler_active",
     "pytree",
     "queue_after_backward",
@@ -507,3 +511,24 @@ def reentrant_checkpoints_inlined() -> Iterator[None]:
             del CheckpointFunction.apply
         else:
             CheckpointFunction.apply = own  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def partial_graph_unprinted() -> Iterator[None]:
+    """Inside, a failing ``torch.export.export`` does not print its partial graph to stderr (torch's export wrapper
+    prints ``exc.partial_fx_graph`` before it re-raises: thousands of lines per failed export of a large model, our
+    one-line fallback warning lost beneath, once per export attempt).  The graph goes to the debug log; anything
+    else written to stderr meanwhile is written after."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer):
+            yield
+    except BaseException as exc:
+        partial = getattr(exc, "partial_fx_graph", None)
+        text = buffer.getvalue()
+        if partial is not None:
+            text = text.replace(f"{partial}\n", "")  # printed by each of export's nested wrappers
+            logging.getLogger("remat_plugin.capture").debug("torch.export's partial graph:\n%s", partial)
+        sys.stderr.write(text)
+        raise
+    sys.stderr.write(buffer.getvalue())

@@ -45,6 +45,7 @@ from remat_plugin.torch_private import (
     PlainAOTInput,
     aot_function,
     is_tangent,
+    partial_graph_unprinted,
     pytree,
     reentrant_checkpoints_inlined,
     suspended_user_modes,
@@ -94,7 +95,8 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
-                eager_masks(), hooks.recorded(), outputs_registered(module), warnings.catch_warnings():
+                eager_masks(), hooks.recorded(), outputs_registered(module), warnings.catch_warnings(), \
+                partial_graph_unprinted():
             # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
             exported = torch.export.export(module, args, kwargs, strict=False)

@@ -5,11 +5,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from remat_plugin.errors import RematError
-from remat_plugin.runtime.unplanned_calls import watch_eval_backward
+from remat_plugin.runtime.unplanned_calls import is_planned_call, run_unplanned
 
 
 class _Recorded(Exception):
@@ -60,10 +59,10 @@ class Dispatcher:
         """The function to put in place of ``module.forward``; it calls ``real_forward`` where no plan applies."""
 
         def forward(*args, **kwargs):
-            if self._busy or not torch.is_grad_enabled():
+            if self._busy:
                 return real_forward(*args, **kwargs)
-            if not self.module.training:  # unplanned; a backward through it is said (NOTE [eval-mode backward])
-                return watch_eval_backward(self.module, real_forward(*args, **kwargs))
+            if not is_planned_call(self.module):
+                return run_unplanned(self.module, real_forward, args, kwargs)
             if self._recording:
                 raise _Recorded(args, kwargs)
             self._busy = True  # capture and the fallback call the module again: those run the original

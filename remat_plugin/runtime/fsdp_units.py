@@ -85,7 +85,7 @@ from remat_plugin.runtime.reporting import announce
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, captured_problem, replay_step
-from remat_plugin.runtime.unplanned_calls import watch_eval_backward
+from remat_plugin.runtime.unplanned_calls import is_planned_call, run_unplanned
 from remat_plugin.torch_private import profiler_active, pytree, suspended_user_modes
 
 log = logging.getLogger(__name__)
@@ -351,11 +351,9 @@ class FsdpRemat:
     def _forward_for(self, index: int, real_forward: Callable) -> Callable:
         def forward(*args, **kwargs):
             # The model's mode, not the unit's, tells a training step: a unit put in eval mode to freeze its
-            # dropout is planned (eval-mode; its own group), as rematerialize plans such submodules.
-            if not torch.is_grad_enabled():
-                return real_forward(*args, **kwargs)
-            if not self.model.training:  # NOTE [eval-mode backward]
-                return watch_eval_backward(self.model, real_forward(*args, **kwargs))
+            # dropout is planned (in a group of its own), as rematerialize plans such submodules.
+            if not is_planned_call(self.model):
+                return run_unplanned(self.model, real_forward, args, kwargs)
             return self._run_unit(index, args, kwargs)
 
         forward.__wrapped__ = real_forward  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call, device_of
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, written_inputs
 from remat_plugin.runtime.store import PlanStore
-from remat_plugin.runtime.unplanned_calls import watch_eval_backward
+from remat_plugin.runtime.unplanned_calls import is_planned_call, run_unplanned
 from remat_plugin.torch_private import suspended_user_modes
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,8 @@ class RematModule(nn.Module):
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # dynamo is tracing this call (torch.compile(rm))
             _refuse_dynamo()
-        if not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)  # nothing is saved for backward: nothing to plan
-        if not self.original.training:  # unplanned; a backward through it is said (NOTE [eval-mode backward])
-            return watch_eval_backward(self.original, self.original(*args, **kwargs))
+        if not is_planned_call(self.original):
+            return run_unplanned(self.original, self.original, args, kwargs)
         with self._planned_call(args, kwargs) as (call, budget):
             return self._resolver.run(call, self._resolver.step_for(call, budget), budget)
 

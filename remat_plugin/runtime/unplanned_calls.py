@@ -7,12 +7,14 @@ NOTE [eval-mode backward]
     mode (dropout off, BatchNorm frozen by ``model.eval()``) ran its backward outside the budget, silently.
     Each such call's outputs that require grad carry a hook: the first backward that reaches one says so
     once per model, with the fix (train mode, with ``.eval()`` on the submodules to freeze).  The hook
-    returns nothing, so gradients are the call's own.
+    returns nothing, so gradients are the call's own.  :func:`is_planned_call` and :func:`run_unplanned` hold
+    this rule for every entry point (``rematerialize``, sessions, ``rematerialize_fsdp``'s units).
 """
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,3 +49,16 @@ def watch_eval_backward(module: nn.Module, output: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
             leaf.register_hook(reached)
     return output
+
+
+def is_planned_call(model: nn.Module) -> bool:
+    """Whether a call of ``model`` (or of a part of it) is a training call, planned: grad mode on and ``model`` in
+    train mode.  Other calls run as written (NOTE [eval-mode backward])."""
+    return torch.is_grad_enabled() and model.training
+
+
+def run_unplanned(model: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """``forward(*args, **kwargs)`` as written, for a call of ``model`` that :func:`is_planned_call` does not plan;
+    with grad mode on, its outputs say a backward through them (:func:`watch_eval_backward`)."""
+    output = forward(*args, **kwargs)
+    return watch_eval_backward(model, output) if torch.is_grad_enabled() else output

@@ -14,11 +14,19 @@ NOTE [side values]
       are made once in the forward and belong to no block, unless only one block reads
       them: then they join it and can be freed and recomputed there.
     - Side values: when the plain 1-separators still leave a block with more than
-      :data:`GLUED_SHARE` of the forward ops, the values that outlive all others (the top
-      of the largest gap in the sorted lifetimes, at least :data:`SIDE_MIN_SPAN` ops and
-      :data:`SIDE_GAP` times the next) are left out of the cut search, provided that gives
-      more cuts.  (In a model that is already cut into layers, the longest values are the
-      residual streams, which the chain should keep choosing to store or recompute.)
+      :data:`GLUED_SHARE` of the forward ops, some values are left out of the cut search.
+      Two candidate sets, each kept only if it gives more cuts: the values that outlive all
+      others (the top of the largest gap in the sorted lifetimes, at least
+      :data:`SIDE_MIN_SPAN` ops and :data:`SIDE_GAP` times the next), and the small
+      long-lived values (at least :data:`SIDE_MIN_SPAN` ops, at most
+      :data:`SIDE_SMALL_SHARE` of the median value's bytes: each mixture-of-experts layer's
+      router logits, read by the load-balancing loss at the end, whose lifetimes fall off
+      evenly, with no gap above the layers' own values).  Of the sets that leave no block
+      above :data:`GLUED_SHARE`, the one holding the fewest bytes is taken (the gap rule
+      alone made a 4-layer Mixtral one greedy block, or, at other sizes, made its residual
+      streams side values, never recomputed); if none does, the one with more cuts.  (In a
+      model that is already cut into layers, the longest values are the residual streams,
+      which the chain should keep choosing to store or recompute.)
       A side value stays with the block that makes it (alive to that block's end) and is
       an external input of the blocks that read it.
     - Both are charged to the memory of every block they are alive across
@@ -40,6 +48,7 @@ from remat_plugin.ir.simulate import simulate
 
 SIDE_MIN_SPAN = 16  # forward ops a side value must stay alive across
 SIDE_GAP = 2.0  # a side value outlives every non-side value by at least this factor
+SIDE_SMALL_SHARE = 1 / 8  # or it is this small beside the median value (and long-lived)
 GLUED_SHARE = 0.4  # a block holding more of the forward ops than this is glued: look for side values
 
 
@@ -67,6 +76,7 @@ class _Lifetimes:
     fwd: list[Op]
     made_at: dict[str, int]
     last_read: dict[str, int]
+    size: dict[str, int]  # bytes of each value made
 
     @staticmethod
     def of(problem: Problem, constants: set[str]) -> _Lifetimes:
@@ -77,7 +87,7 @@ class _Lifetimes:
             for v in o.inputs:
                 if v in made_at:
                     last_read[v] = i
-        return _Lifetimes(fwd, made_at, last_read)
+        return _Lifetimes(fwd, made_at, last_read, {v: problem.value(v).size_bytes for v in made_at})
 
     def crossing(self, skip: frozenset[str] = frozenset()) -> list[set[str]]:
         """Per position ``i``: values made at or before ``i`` and read after it (``skip`` left out)."""
@@ -95,9 +105,33 @@ def side_values(problem: Problem, constants: set[str]) -> frozenset[str]:
 
 
 def _side_values(life: _Lifetimes) -> frozenset[str]:
+    n = len(life.fwd)
     plain = _cuts(life, frozenset(), 2)
-    if _largest_block(plain, len(life.fwd)) <= GLUED_SHARE * len(life.fwd):
+    if _largest_block(plain, n) <= GLUED_SHARE * n:
         return frozenset()  # the plain 1-separators already cut the model into layers
+    found = [side for side in (_small_side_values(life, plain), _longest_side_values(life, plain)) if side]
+    ungluing = [side for side in found if _largest_block(_cuts(life, side, 2), n) <= GLUED_SHARE * n]
+    if ungluing:  # the fewest bytes held out of the chain
+        return min(ungluing, key=lambda side: sum(life.size[v] for v in side))
+    return max(found, key=lambda side: len(_cuts(life, side, 2)), default=frozenset())
+
+
+def _small_side_values(life: _Lifetimes, plain: list[tuple[int, str]]) -> frozenset[str]:
+    """Values alive across at least :data:`SIDE_MIN_SPAN` ops and at most :data:`SIDE_SMALL_SHARE` of the median
+    value's bytes (a router's logits, kept by every mixture-of-experts layer for the load-balancing loss at the
+    end), provided leaving them out gives more cuts."""
+    sizes = sorted(life.size[v] for v in life.last_read)
+    if not sizes:
+        return frozenset()
+    small = SIDE_SMALL_SHARE * sizes[len(sizes) // 2]
+    side = frozenset(v for v, r in life.last_read.items()
+                     if r - life.made_at[v] >= SIDE_MIN_SPAN and life.size[v] <= small)
+    return side if side and len(_cuts(life, side, 2)) > len(plain) else frozenset()
+
+
+def _longest_side_values(life: _Lifetimes, plain: list[tuple[int, str]]) -> frozenset[str]:
+    """The values that outlive all others (the top of the largest gap in the sorted lifetimes), provided leaving
+    them out gives more cuts."""
     spans = sorted(((r - life.made_at[v], v) for v, r in life.last_read.items()), reverse=True)
     best_k, best_gap = 0, SIDE_GAP
     for k in range(1, len(spans) + 1):

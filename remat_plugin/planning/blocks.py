@@ -19,7 +19,7 @@ NOTE [side values]
       others (the top of the largest gap in the sorted lifetimes, at least
       :data:`SIDE_MIN_SPAN` ops and :data:`SIDE_GAP` times the next), and the small
       long-lived values (at least :data:`SIDE_MIN_SPAN` ops, at most
-      :data:`SIDE_SMALL_SHARE` of the median value's bytes: each mixture-of-experts layer's
+      :data:`SIDE_SMALL_SHARE` of the median such value's bytes: each mixture-of-experts layer's
       router logits, read by the load-balancing loss at the end, whose lifetimes fall off
       evenly, with no gap above the layers' own values).  Of the sets that leave no block
       above :data:`GLUED_SHARE`, the one holding the fewest bytes is taken (the gap rule
@@ -48,7 +48,7 @@ from remat_plugin.ir.simulate import simulate
 
 SIDE_MIN_SPAN = 16  # forward ops a side value must stay alive across
 SIDE_GAP = 2.0  # a side value outlives every non-side value by at least this factor
-SIDE_SMALL_SHARE = 1 / 8  # or it is this small beside the median value (and long-lived)
+SIDE_SMALL_SHARE = 1 / 8  # or it is this small beside the median long-lived value
 GLUED_SHARE = 0.4  # a block holding more of the forward ops than this is glued: look for side values
 
 
@@ -118,14 +118,13 @@ def _side_values(life: _Lifetimes) -> frozenset[str]:
 
 def _small_side_values(life: _Lifetimes, plain: list[tuple[int, str]]) -> frozenset[str]:
     """Values alive across at least :data:`SIDE_MIN_SPAN` ops and at most :data:`SIDE_SMALL_SHARE` of the median
-    value's bytes (a router's logits, kept by every mixture-of-experts layer for the load-balancing loss at the
-    end), provided leaving them out gives more cuts."""
-    sizes = sorted(life.size[v] for v in life.last_read)
-    if not sizes:
+    bytes of such values (a router's logits, kept by every mixture-of-experts layer for the load-balancing loss at
+    the end, beside the residual streams), provided leaving them out gives more cuts."""
+    long_lived = [v for v, r in life.last_read.items() if r - life.made_at[v] >= SIDE_MIN_SPAN]
+    if not long_lived:
         return frozenset()
-    small = SIDE_SMALL_SHARE * sizes[len(sizes) // 2]
-    side = frozenset(v for v, r in life.last_read.items()
-                     if r - life.made_at[v] >= SIDE_MIN_SPAN and life.size[v] <= small)
+    small = SIDE_SMALL_SHARE * sorted(life.size[v] for v in long_lived)[len(long_lived) // 2]
+    side = frozenset(v for v in long_lived if life.size[v] <= small)
     return side if side and len(_cuts(life, side, 2)) > len(plain) else frozenset()
 
 

@@ -1,6 +1,8 @@
 """make_blocks on hand-built problems: cut points, chain values, backward grouping and block keys."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from remat_plugin.ir.problem import Op, Problem, Value
@@ -181,7 +183,7 @@ def _routed(n_layers: int) -> tuple[Spec, dict[str, int]]:
     for i in range(n_layers):
         middle = [f"m{k}_{i}" for k in range(17)]
         spec += [(f"a_{i}", prev), (f"r_{i}", (f"a_{i}",)), (middle[0], (f"a_{i}", f"r_{i}"))]
-        spec += [(c, (p,)) for p, c in zip(middle, middle[1:])]
+        spec += [(c, (p,)) for p, c in itertools.pairwise(middle)]
         spec.append((f"h_{i}", (middle[-1], f"a_{i}")))
         sizes[f"r_{i}"] = 1
         prev = (f"h_{i}",)

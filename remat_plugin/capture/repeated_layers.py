@@ -54,6 +54,7 @@ from remat_plugin.torch_private import (
     autocast_as,
     autocast_settings,
     forward_hooks_off,
+    module_hooks,
     pytree,
     tangent_output,
     unbacked_reads_ignored,
@@ -81,8 +82,7 @@ _LEAF = object()  # stands for a tensor leaf among a call's non-tensor constants
 
 
 def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
+    return bool(module_hooks(module, backward=False) or module_hooks(module, backward=True))
 
 
 @dataclass

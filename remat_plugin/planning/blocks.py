@@ -109,28 +109,27 @@ def _side_values(life: _Lifetimes) -> frozenset[str]:
     plain = _cuts(life, frozenset(), 2)
     if _largest_block(plain, n) <= GLUED_SHARE * n:
         return frozenset()  # the plain 1-separators already cut the model into layers
-    found = [side for side in (_small_side_values(life, plain), _longest_side_values(life, plain)) if side]
-    ungluing = [side for side in found if _largest_block(_cuts(life, side, 2), n) <= GLUED_SHARE * n]
+    candidates = (_small_side_values(life), _longest_side_values(life))
+    found = {side: cuts for side in candidates if side and len(cuts := _cuts(life, side, 2)) > len(plain)}
+    ungluing = [side for side, cuts in found.items() if _largest_block(cuts, n) <= GLUED_SHARE * n]
     if ungluing:  # the fewest bytes held out of the chain
         return min(ungluing, key=lambda side: sum(life.size[v] for v in side))
-    return max(found, key=lambda side: len(_cuts(life, side, 2)), default=frozenset())
+    return max(found, key=lambda side: len(found[side]), default=frozenset())
 
 
-def _small_side_values(life: _Lifetimes, plain: list[tuple[int, str]]) -> frozenset[str]:
+def _small_side_values(life: _Lifetimes) -> frozenset[str]:
     """Values alive across at least :data:`SIDE_MIN_SPAN` ops and at most :data:`SIDE_SMALL_SHARE` of the median
     bytes of such values (a router's logits, kept by every mixture-of-experts layer for the load-balancing loss at
-    the end, beside the residual streams), provided leaving them out gives more cuts."""
+    the end, beside the residual streams)."""
     long_lived = [v for v, r in life.last_read.items() if r - life.made_at[v] >= SIDE_MIN_SPAN]
     if not long_lived:
         return frozenset()
     small = SIDE_SMALL_SHARE * sorted(life.size[v] for v in long_lived)[len(long_lived) // 2]
-    side = frozenset(v for v in long_lived if life.size[v] <= small)
-    return side if side and len(_cuts(life, side, 2)) > len(plain) else frozenset()
+    return frozenset(v for v in long_lived if life.size[v] <= small)
 
 
-def _longest_side_values(life: _Lifetimes, plain: list[tuple[int, str]]) -> frozenset[str]:
-    """The values that outlive all others (the top of the largest gap in the sorted lifetimes), provided leaving
-    them out gives more cuts."""
+def _longest_side_values(life: _Lifetimes) -> frozenset[str]:
+    """The values that outlive all others (the top of the largest gap in the sorted lifetimes)."""
     spans = sorted(((r - life.made_at[v], v) for v, r in life.last_read.items()), reverse=True)
     best_k, best_gap = 0, SIDE_GAP
     for k in range(1, len(spans) + 1):
@@ -140,10 +139,7 @@ def _longest_side_values(life: _Lifetimes, plain: list[tuple[int, str]]) -> froz
         gap = spans[k - 1][0] / max(below, 1)
         if gap >= best_gap:
             best_k, best_gap = k, gap
-    side = frozenset(v for _, v in spans[:best_k])
-    if side and len(_cuts(life, side, 2)) <= len(plain):
-        return frozenset()
-    return side
+    return frozenset(v for _, v in spans[:best_k])
 
 
 def _largest_block(cuts: list[tuple[int, str]], n: int) -> int:

@@ -19,6 +19,19 @@ NOTE [dropped tangents]
     gradient and the tangent as 0 bytes.  AOTAutograd's node is told not to materialize missing
     gradients (:func:`keep_missing_gradients`); the backward program fills those of the other
     tangents with zeros itself, as autograd did (:class:`FilledTangents`).
+
+NOTE [relaid tangents]
+    A tangent is laid out as its output, and the sum ``add(tangent, grad)`` takes the tangent's strides
+    where the two differ.  Eager autograd, given no gradient for the output, passes ``grad`` on as it is.
+    A segmentation head returns channels-last logits whose gradient comes back row-major from the
+    loss's resize: the zero tangent made the sum channels-last, the head's bias gradient summed its
+    elements in another order, and a SegFormer trained with its logits held (too small a share of
+    the peak to plan again without them) stayed 1.7e-18 off eager's at every step.  Where every read
+    of a tangent adds it into a gradient laid out otherwise (:func:`relaid_tangents`), a missing
+    tangent is filled with zeros laid out as that gradient, so the sum is laid out as eager's and is
+    bit for bit ``grad``.  Such a sum runs with other strides than traced, as a folded one does, so
+    what follows it stays out of place (NOTE [in-place adds]).  A tangent the caller does send is
+    added as traced.  Compiled programs take their inputs as traced and are left as they are.
 """
 from __future__ import annotations
 
@@ -91,6 +104,49 @@ def fold_dropped_tangents(gm: fx.GraphModule, outputs: frozenset[int]) -> frozen
     return frozenset(folded)
 
 
+def _dense(value: torch.Tensor) -> bool:
+    """Laid out without gaps or overlaps (a permutation of a contiguous tensor), as a fresh sum is."""
+    expected = 1
+    for size, stride in sorted(zip(value.shape, value.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def relaid_tangents(gm: fx.Graph | fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Tangents every read of which adds them into a gradient laid out otherwise than the sum -> that gradient's
+    traced value, whose layout a missing tangent's zeros take (NOTE [relaid tangents]).  Folded tangents are
+    read by ``add_if_given`` and are not among them."""
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    relaid: dict[str, torch.Tensor] = {}
+    for ph in graph.find_nodes(op="placeholder"):
+        if not (is_tangent(ph) and ph.users and isinstance(ph.meta.get("val"), torch.Tensor)):
+            continue
+        grads = {add: _folded_grad(add, ph) for add in ph.users}
+        if not all(grads.values()):
+            continue
+        values = [grad.meta["val"] for grad in grads.values() if grad is not None]
+        if (len({v.stride() for v in values}) != 1 or values[0].shape != ph.meta["val"].shape
+                or not _dense(values[0])):
+            continue
+        if any(traced_strides(grad) != traced_strides(add) for add, grad in grads.items() if grad is not None):
+            relaid[ph.name] = values[0]
+    return relaid
+
+
+def relaid_sums(gm: fx.GraphModule) -> list[fx.Node]:
+    """The adds of :func:`relaid_tangents`: they run laid out as their gradient when the tangent is missing."""
+    relaid = relaid_tangents(gm)
+    return [add for ph in gm.graph.find_nodes(op="placeholder") if ph.name in relaid for add in ph.users]
+
+
+def traced_strides(node: fx.Node) -> tuple[int, ...] | None:
+    """A node's strides as traced (None for a value that is not one tensor)."""
+    value = node.meta.get("val")
+    return tuple(value.stride()) if isinstance(value, torch.Tensor) else None
+
+
 def keep_missing_gradients(node) -> None:
     """Have AOTAutograd's node pass a missing output gradient on as None instead of a zero tensor."""
     node.set_materialize_grads(False)
@@ -98,14 +154,16 @@ def keep_missing_gradients(node) -> None:
 
 class FilledTangents:
     """A backward program whose missing tangents, other than the folded ones, arrive as zeros, as autograd
-    filled them before :func:`keep_missing_gradients`; called with AOTAutograd's boxed convention."""
+    filled them before :func:`keep_missing_gradients`, or laid out as the gradient they are added into
+    (``relaid``, NOTE [relaid tangents]); called with AOTAutograd's boxed convention."""
 
     _boxed_call = True
 
-    def __init__(self, program: Callable[[list], tuple], gm: fx.GraphModule, folded: frozenset[str]):
+    def __init__(self, program: Callable[[list], tuple], gm: fx.GraphModule, folded: frozenset[str],
+                 relaid: dict[str, torch.Tensor]):
         self.program = program
         self.fill: list[tuple[int, torch.Tensor]] = [
-            (i, ph.meta["val"]) for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
+            (i, relaid.get(ph.name, ph.meta["val"])) for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
             if is_tangent(ph) and ph.name not in folded and isinstance(ph.meta.get("val"), torch.Tensor)
         ]
 

@@ -24,7 +24,12 @@ from remat_plugin.capture.autograd_functions import opaque_functions, restore_fu
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dataclass_trees import outputs_registered
 from remat_plugin.capture.dropout_masks import split_dropouts
-from remat_plugin.capture.dropped_tangents import FilledTangents, fold_dropped_tangents, keep_missing_gradients
+from remat_plugin.capture.dropped_tangents import (
+    FilledTangents,
+    fold_dropped_tangents,
+    keep_missing_gradients,
+    relaid_tangents,
+)
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
@@ -298,6 +303,8 @@ class CompiledStep:
     backward: SegmentedBackward | None = None  # the eager backward program, once built (NOTE [segmented backward])
     trace_started: float | None = None  # time.perf_counter() as the first call began tracing
     absent_tangents: frozenset[str] = frozenset()  # dropped outputs' tangents, left None (NOTE [dropped tangents])
+    # Tangents a missing gradient fills laid out as the gradient they are added into (NOTE [relaid tangents])
+    relaid_tangents: dict[str, torch.Tensor] = field(default_factory=dict)
     # The exported module its joint graph is traced from: a new plan of the same call (the outputs the caller
     # drops, a calibration correction) traces it again instead of exporting the model anew.
     exported: torch.fx.GraphModule | None = None
@@ -351,7 +358,7 @@ class CompiledStep:
                 self.instead = self.on_untraceable(err)
                 return self.instead(args, kwargs)
             self.traced = True
-        if self.absent_tangents and torch.is_grad_enabled():
+        if (self.absent_tangents or self.relaid_tangents) and torch.is_grad_enabled():
             self._keep_missing_gradients(flat_out)
         without_donated_buffers(flat_out)
         if self.options.watch_outputs:
@@ -549,6 +556,8 @@ def build_step(
             if ungrade_beside_the_loss else None
         step.ungraded_outputs = ungraded_outputs | ((beside or frozenset()) - dropped_outputs)
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | step.ungraded_outputs)  # NOTE [dropped tangents]
+        if not options.compile:
+            step.relaid_tangents = relaid_tangents(joint_gm)  # NOTE [relaid tangents]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
         if not options.compile:  # the backward program's adds written into an operand (NOTE [in-place sums in the plan])
@@ -568,7 +577,9 @@ def build_step(
             add_in_place(gm_)  # NOTE [in-place adds]
             program = step.backward = SegmentedBackward(gm_, options.backward_segments)
             step.programs.append(step.backward)
-        return FilledTangents(program, gm_, step.absent_tangents) if step.absent_tangents else program
+        if step.absent_tangents or step.relaid_tangents:
+            return FilledTangents(program, gm_, step.absent_tangents, step.relaid_tangents)
+        return program
 
     def boxed(gm_, _example):
         if options.compile:

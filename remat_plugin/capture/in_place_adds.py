@@ -19,7 +19,8 @@ NOTE [in-place adds]
     output's tangent was traced onto: the trace's sum was row-major, eager's (and the folded graph's,
     run out of place) column-major.  Written into the row-major operand, the logit scale's gradient
     summed in another order, one unit in the last place off eager's in half the batches.  An add
-    whose operands or result may run with other strides than traced stays out of place.
+    whose operands or result may run with other strides than traced stays out of place; so does one
+    after a sum whose missing tangent is filled laid out as its gradient (NOTE [relaid tangents]).
 
 NOTE [in-place sums in the plan]
     The planner once counted every sum as a new tensor, so a step used less than it predicted by
@@ -42,7 +43,7 @@ from collections.abc import Container
 import torch
 from torch import fx
 
-from remat_plugin.capture.dropped_tangents import add_if_given
+from remat_plugin.capture.dropped_tangents import add_if_given, relaid_sums, traced_strides
 from remat_plugin.capture.switches import CaptureSwitch
 from remat_plugin.torch_private import OpOverload
 
@@ -107,22 +108,19 @@ def _sums_into(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
 def _unsettled_layouts(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes that may run with other strides than traced (NOTE [in-place adds]): each folded tangent add whose
     gradient was traced with other strides than the sum, and what is computed from it up to an op whose
-    result's layout does not follow its inputs' (a matrix product, a vector or scalar)."""
+    result's layout does not follow its inputs' (a matrix product, a vector or scalar); likewise each sum of a
+    relaid tangent (NOTE [relaid tangents])."""
     stack = [n for n in gm.graph.find_nodes(op="call_function", target=add_if_given)
-             if isinstance(n.args[0], fx.Node) and _strides(n.args[0]) != _strides(n)]
+             if isinstance(n.args[0], fx.Node) and traced_strides(n.args[0]) != traced_strides(n)]
+    stack += relaid_sums(gm)
     unsettled: set[fx.Node] = set()
     while stack:
         node = stack.pop()
         if node in unsettled:
             continue
         unsettled.add(node)
-        stack.extend(user for user in node.users if user.target not in _FRESH_LAYOUT and len(_strides(user) or ()) > 1)
+        stack.extend(user for user in node.users if user.target not in _FRESH_LAYOUT and len(traced_strides(user) or ()) > 1)
     return unsettled
-
-
-def _strides(node: fx.Node) -> tuple[int, ...] | None:
-    value = node.meta.get("val")
-    return tuple(value.stride()) if isinstance(value, torch.Tensor) else None
 
 
 def _dies_here(value: fx.Node, add: fx.Node, rewritten: Container[fx.Node]) -> bool:

@@ -13,6 +13,7 @@ into a warning for people porting to a new release.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -70,7 +71,9 @@ __all__ = [
     "autocast_disabled",
     "autocast_settings",
     "autocast_state",
+    "batch_norm_laid_out_as_eager",
     "compile_segment",
+    "densely_laid_out",
     "extract_fwd_bwd_outputs",
     "extract_graph_with_inputs_outputs",
     "fake_on_storage",
@@ -257,9 +260,35 @@ def _eager_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.T
         return _AOT_DROPOUT(input, p, train)
     if p == 1:
         return input * torch.zeros_like(input)
-    noise = torch.empty_like(input).bernoulli_(1 - p)
+    noise = _bernoulli_laid_out_as(input, 1 - p)
     noise.div_(1 - p)
     return input * noise
+
+
+def densely_laid_out(value: torch.Tensor) -> bool:
+    """Laid out without gaps or overlaps (a permutation of a row-major tensor), as ``empty_like`` keeps a layout."""
+    expected = 1
+    for size, stride in sorted(zip(value.shape, value.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _bernoulli_laid_out_as(input: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.empty_like(input).bernoulli_(q)``, drawn in the same order once functionalized.
+
+    Eager draws in ``input``'s memory order; the trace's functional ``bernoulli(empty_like(input), q)`` lays its
+    result out row-major, so on a transposed input (a BatchNorm1d's output transposed back, in bf16) each
+    element got another draw, another mask than eager's.  Drawn row-major in ``input``'s memory order, then
+    permuted to its shape, the draws land where eager's do.
+    """
+    if input.is_contiguous() or not densely_laid_out(input):
+        return torch.empty_like(input).bernoulli_(q)  # row-major: as empty_like lays out a tensor with gaps
+    strides = input.stride()
+    order = sorted(range(input.dim()), key=lambda d: (-strides[d], d))
+    drawn = torch.empty([input.shape[d] for d in order], dtype=input.dtype, device=input.device).bernoulli_(q)
+    return drawn.permute([order.index(d) for d in range(input.dim())])
 
 
 _AOT_DROPOUT = _decompositions.dropout
@@ -360,6 +389,68 @@ def _layer_by_layer(python_kernel: Callable, args: tuple, packed: bool) -> tuple
     return (x, *(torch.cat(found, 0) for found in finals))
 
 
+# NOTE [batch norm layouts]
+#     The Meta kernels of the batch norm ops (torch._decomp's, elementwise on the input) lay the output out as the
+#     input, those of their backward as the output's gradient; the CPU kernels lay either out as
+#     ``suggest_memory_format`` says of the input: row-major unless channels-last.  A
+#     BatchNorm1d over a transposed tensor (PatchTST's ``batchnorm(x.transpose(1, 2)).transpose(1, 2)`` before a
+#     Linear) was traced as strided where eager's is row-major, and the trace's ``view`` of it (the Linear's
+#     flattening, legal for the traced strides) failed at the step's first run: "view size is not compatible"
+#     (torch.compile's ``aot_eager`` fails alike, torch 2.13 and 2.14); so did the view of its backward's result.
+#     While a model is exported and traced, these Meta kernels lay a CPU input's result out as the CPU kernel does.
+#     Other devices are left as they are (not checked on one).  Other ops' views: NOTE [views of mistraced strides].
+_BATCH_NORMS = {  # op -> the position of the input whose layout the CPU kernel's result takes
+    "native_batch_norm.default": 0, "_native_batch_norm_legit.default": 0, "_native_batch_norm_legit.no_stats": 0,
+    "_native_batch_norm_legit_functional.default": 0, "_native_batch_norm_legit_no_training.default": 0,
+    "native_batch_norm_backward.default": 1, "batch_norm_backward.default": 1,
+}
+
+
+def _batch_norm_meta(meta: Callable, input_position: int) -> Callable:
+    """``meta`` with its first result laid out as the CPU kernel lays it out: as ``suggest_memory_format`` says for
+    the input at ``input_position`` (NOTE [batch norm layouts])."""
+    from torch._prims_common import suggest_memory_format
+
+    @functools.wraps(meta)  # fake tensors run a decomposition only if it names itself as torch._decomp's
+    def kernel(*args, **kwargs):
+        result = meta(*args, **kwargs)
+        x = args[input_position]
+        if x.device.type != "cpu" or not isinstance(result, (tuple, list)) or not isinstance(result[0], torch.Tensor):
+            return result
+        layout = suggest_memory_format(x)
+        out = result[0]
+        if out.is_contiguous(memory_format=layout):
+            return result
+        return (out.contiguous(memory_format=layout), *result[1:])
+
+    return kernel
+
+
+@contextlib.contextmanager
+def batch_norm_laid_out_as_eager() -> Iterator[None]:
+    """Inside, the batch norm ops' Meta kernels lay their output out as the CPU kernels do (NOTE [batch norm
+    layouts])."""
+    from torch._decomp import decomposition_table
+
+    meta_key = torch._C.DispatchKey.Meta
+    ops = {op: position for name, position in _BATCH_NORMS.items() for op in _overloads((name,))}
+    kernels = [(op, op.py_kernels[meta_key]) for op in ops if meta_key in op.py_kernels]
+    decompositions = [(op, decomposition_table[op]) for op in ops if op in decomposition_table]  # fake tensors' path
+    try:
+        for op, meta in kernels:
+            op.py_kernels[meta_key] = _batch_norm_meta(meta, ops[op])
+            op._dispatch_cache.clear()
+        for op, decomposition in decompositions:
+            decomposition_table[op] = _batch_norm_meta(decomposition, ops[op])
+        yield
+    finally:
+        for op, meta in kernels:
+            op.py_kernels[meta_key] = meta
+            op._dispatch_cache.clear()
+        for op, decomposition in decompositions:
+            decomposition_table[op] = decomposition
+
+
 @contextlib.contextmanager
 def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
     """AOTAutograd traces the joint graph the way eager PyTorch runs the step, bit for bit.
@@ -370,6 +461,7 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
     - ``aten.dropout`` decomposes as eager computes it (:func:`_eager_dropout`).
     - Interpolations run eager's kernels, not torch._decomp's Python ones (NOTE [interpolations in the trace]).
     - Multi-layer recurrent ops keep their dropout between layers (NOTE [recurrent layers in the trace]).
+    - Batch norm outputs are laid out as the CPU kernels lay them out (NOTE [batch norm layouts]).
     """
     op = torch.ops.aten.dropout.default
     saved = {k: op.py_kernels.get(k) for k in _PYTHON_KERNEL_KEYS}
@@ -386,7 +478,8 @@ def traced_like_eager(backward_autocast: bool = False) -> Iterator[None]:
         for rnn, k, python_kernel in recurrent:
             rnn.py_kernels[k] = _recurrent_kernel(rnn, python_kernel)
             rnn._dispatch_cache.clear()
-        with torch._functorch.config.patch(backward_pass_autocast="same_as_forward" if backward_autocast else "off"):
+        with torch._functorch.config.patch(backward_pass_autocast="same_as_forward" if backward_autocast else "off"), \
+                batch_norm_laid_out_as_eager():
             yield
     finally:
         for k, fn in saved.items():

@@ -101,3 +101,44 @@ def test_reduced_precision_dropouts_are_left_as_traced():
     names = [o.name for o in problem.ops]
     assert any(n.startswith("bernoulli") for n in names)
     assert not any(n.startswith(("dropout_mask", "apply_dropout_mask")) for n in names)
+
+
+class _TransposedDropout(nn.Module):
+    """A dropout over a transposed tensor (PatchTST's and SegFormer's BatchNorm, transposed back), in bf16."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.proj, self.norm, self.head = nn.Linear(width, width), nn.BatchNorm1d(width), nn.Linear(width, width)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        h = self.norm(self.proj(x).transpose(1, 2)).transpose(1, 2)
+        return self.head(self.drop(torch.relu(h))).float().square().mean()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_reduced_precision_dropout_over_a_transposed_tensor_draws_eager_s_mask(autocast):
+    """Eager's CPU dropout in bf16 draws its noise in the input's memory order (``empty_like(x).bernoulli_``); the
+    trace's functional ``bernoulli`` laid its noise out row-major, so a transposed input got another mask than
+    eager's.  bf16 weights, or float32 weights under bf16 autocast: every step's loss and gradients bitwise."""
+    torch.manual_seed(0)
+    model = _TransposedDropout()
+    if not autocast:
+        model = model.bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 12, 16, dtype=torch.float32 if autocast else torch.bfloat16)
+    context = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with context:
+        planned = rematerialize(model, (x,), budget=10**12, verbose=False)
+    for seed in range(3):
+        losses = []
+        for module in (planned, reference):
+            torch.manual_seed(seed)
+            with context:
+                loss = module(x)
+            loss.backward()
+            losses.append(loss)
+        assert torch.equal(*losses), (seed, losses)
+        assert_same_grads_and_buffers(model, reference, f"step {seed}")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)

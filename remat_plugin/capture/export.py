@@ -41,6 +41,7 @@ from remat_plugin.capture.module_hooks import check_hooks
 from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_loss, watched
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
+from remat_plugin.capture.stride_fallbacks import views_copied_if_needed
 from remat_plugin.capture.tensor_checks import opaque_tensor_checks, traced_line
 from remat_plugin.capture.tensor_hooks import ForwardHooks
 from remat_plugin.errors import CaptureError, RematError
@@ -49,6 +50,7 @@ from remat_plugin.torch_private import (
     InputMutationAOTOutput,
     PlainAOTInput,
     aot_function,
+    batch_norm_laid_out_as_eager,
     is_tangent,
     partial_graph_unprinted,
     pytree,
@@ -101,7 +103,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
                 eager_masks(), hooks.recorded(), outputs_registered(module), warnings.catch_warnings(), \
-                partial_graph_unprinted():
+                partial_graph_unprinted(), batch_norm_laid_out_as_eager():
             # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
             exported = torch.export.export(module, args, kwargs, strict=False)
@@ -575,6 +577,7 @@ def build_step(
             program = boxed(gm_, example)
         else:
             add_in_place(gm_)  # NOTE [in-place adds]
+            views_copied_if_needed(gm_)  # NOTE [views of mistraced strides]
             program = step.backward = SegmentedBackward(gm_, options.backward_segments)
             step.programs.append(step.backward)
         if step.absent_tangents or step.relaid_tangents:
@@ -588,6 +591,7 @@ def build_step(
             # Boxed calling convention: the program receives the argument list and clears it,
             # so each saved tensor dies after its last use instead of at the end of backward.
             add_in_place(gm_)  # NOTE [in-place adds]
+            views_copied_if_needed(gm_)  # NOTE [views of mistraced strides]
             gm_.graph.set_codegen(BoxedCodeGen())
             gm_.recompile()
             unrun = _unrun_outputs(gm_)

@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from remat_plugin.capture.dropped_tangents import add_if_given
+from remat_plugin.capture.stride_fallbacks import view_or_copy
 from remat_plugin.ir.problem import Op, Problem, Value
 from remat_plugin.torch_private import OpOverload, PlainAOTOutput, extract_fwd_bwd_outputs, is_tangent
 
@@ -52,6 +53,7 @@ _ALIAS_OPS = {
     torch.ops.aten.alias.default,
     torch.ops.aten.detach.default,
     add_if_given,  # the gradient itself, for a dropped output's missing tangent (NOTE [dropped tangents])
+    view_or_copy,  # a program's view, copied only where a kernel laid its input out otherwise than traced
 }
 
 

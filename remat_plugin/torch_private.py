@@ -260,7 +260,7 @@ def _eager_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.T
         return _AOT_DROPOUT(input, p, train)
     if p == 1:
         return input * torch.zeros_like(input)
-    noise = _bernoulli_laid_out_as(input, 1 - p)
+    noise = torch.empty_like(input).bernoulli_(1 - p)  # drawn as eager draws: NOTE [draw order]
     noise.div_(1 - p)
     return input * noise
 
@@ -273,22 +273,6 @@ def densely_laid_out(value: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _bernoulli_laid_out_as(input: torch.Tensor, q: float) -> torch.Tensor:
-    """``torch.empty_like(input).bernoulli_(q)``, drawn in the same order once functionalized.
-
-    Eager draws in ``input``'s memory order; the trace's functional ``bernoulli(empty_like(input), q)`` lays its
-    result out row-major, so on a transposed input (a BatchNorm1d's output transposed back, in bf16) each
-    element got another draw, another mask than eager's.  Drawn row-major in ``input``'s memory order, then
-    permuted to its shape, the draws land where eager's do.
-    """
-    if input.is_contiguous() or not densely_laid_out(input):
-        return torch.empty_like(input).bernoulli_(q)  # row-major: as empty_like lays out a tensor with gaps
-    strides = input.stride()
-    order = sorted(range(input.dim()), key=lambda d: (-strides[d], d))
-    drawn = torch.empty([input.shape[d] for d in order], dtype=input.dtype, device=input.device).bernoulli_(q)
-    return drawn.permute([order.index(d) for d in range(input.dim())])
 
 
 _AOT_DROPOUT = _decompositions.dropout

@@ -23,6 +23,7 @@ from torch import nn
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dataclass_trees import outputs_registered
+from remat_plugin.capture.draw_order import draws_in_memory_order
 from remat_plugin.capture.dropout_masks import split_dropouts
 from remat_plugin.capture.dropped_tangents import (
     FilledTangents,
@@ -554,6 +555,7 @@ def build_step(
             except Exception as exc:  # a failed splice retraces whole (said), never a wrong graph
                 raise NotSpliceable(f"splicing failed: {type(exc).__name__}: {exc}") from exc
         split_dropouts(joint_gm)  # NOTE [dropout masks]
+        draws_in_memory_order(joint_gm)  # NOTE [draw order]
         beside = outputs_beside_the_loss(len(step.out_tensor_positions), step.out_scalars) \
             if ungrade_beside_the_loss else None
         step.ungraded_outputs = ungraded_outputs | ((beside or frozenset()) - dropped_outputs)

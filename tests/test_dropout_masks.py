@@ -101,4 +101,3 @@ def test_reduced_precision_dropouts_are_left_as_traced():
     names = [o.name for o in problem.ops]
     assert any(n.startswith("bernoulli") for n in names)
     assert not any(n.startswith(("dropout_mask", "apply_dropout_mask")) for n in names)
-

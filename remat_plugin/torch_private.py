@@ -73,7 +73,6 @@ __all__ = [
     "autocast_state",
     "batch_norm_laid_out_as_eager",
     "compile_segment",
-    "densely_laid_out",
     "extract_fwd_bwd_outputs",
     "extract_graph_with_inputs_outputs",
     "fake_on_storage",
@@ -263,16 +262,6 @@ def _eager_dropout(input: torch.Tensor, p: float, train: bool | None) -> torch.T
     noise = torch.empty_like(input).bernoulli_(1 - p)  # drawn as eager draws: NOTE [draw order]
     noise.div_(1 - p)
     return input * noise
-
-
-def densely_laid_out(value: torch.Tensor) -> bool:
-    """Laid out without gaps or overlaps (a permutation of a row-major tensor), as ``empty_like`` keeps a layout."""
-    expected = 1
-    for size, stride in sorted(zip(value.shape, value.stride()), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 _AOT_DROPOUT = _decompositions.dropout

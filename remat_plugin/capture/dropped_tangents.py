@@ -43,7 +43,7 @@ import torch
 from torch import fx
 
 from remat_plugin.capture.switches import CaptureSwitch
-from remat_plugin.torch_private import densely_laid_out, is_tangent, tangent_output
+from remat_plugin.torch_private import is_tangent, tangent_output
 
 log = logging.getLogger(__name__)
 _folding = CaptureSwitch()
@@ -104,13 +104,22 @@ def fold_dropped_tangents(gm: fx.GraphModule, outputs: frozenset[int]) -> frozen
     return frozenset(folded)
 
 
-def relaid_tangents(gm: fx.Graph | fx.GraphModule) -> dict[str, torch.Tensor]:
+def _densely_laid_out(value: torch.Tensor) -> bool:
+    """Laid out without gaps or overlaps (a permutation of a row-major tensor), as a fresh sum is."""
+    expected = 1
+    for size, stride in sorted(zip(value.shape, value.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def relaid_tangents(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """Tangents every read of which adds them into a gradient laid out otherwise than the sum -> that gradient's
     traced value, whose layout a missing tangent's zeros take (NOTE [relaid tangents]).  Folded tangents are
     read by ``add_if_given`` and are not among them."""
-    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
     relaid: dict[str, torch.Tensor] = {}
-    for ph in graph.find_nodes(op="placeholder"):
+    for ph in gm.graph.find_nodes(op="placeholder"):
         if not (is_tangent(ph) and ph.users and isinstance(ph.meta.get("val"), torch.Tensor)):
             continue
         grads = {add: _folded_grad(add, ph) for add in ph.users}
@@ -118,7 +127,7 @@ def relaid_tangents(gm: fx.Graph | fx.GraphModule) -> dict[str, torch.Tensor]:
             continue
         values = [grad.meta["val"] for grad in grads.values() if grad is not None]
         if (len({v.stride() for v in values}) != 1 or values[0].shape != ph.meta["val"].shape
-                or not densely_laid_out(values[0])):
+                or not _densely_laid_out(values[0])):
             continue
         if any(traced_strides(grad) != traced_strides(add) for add, grad in grads.items() if grad is not None):
             relaid[ph.name] = values[0]

@@ -43,3 +43,28 @@ def test_a_padding_mask_is_still_built_under_export():
     assert not rm.plan.fallback
     for ours, eager in zip(step_grads(rm, [batch]), step_grads(reference, [batch])):
         assert all(torch.equal(a, b) for a, b in zip(ours, eager))
+
+
+def test_t5_decoder_without_a_mask_under_bf16_autocast_trains_bitwise():
+    """The causal check (NOTE [masks under export]): T5's decoder called without a decoder mask ran SDPA on a
+    per-batch-row mask holding its relative position bias, so under bf16 autocast the bias's gradient was summed
+    over the batch after SDPA's bf16 backward, where eager sums it inside (1e-4 off); now eager's decision."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(1, 64, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids[:, :8].clone(), "use_cache": False}
+    with torch.autocast("cpu", torch.bfloat16):
+        rm = rematerialize(model, (), batch, budget=10**12, verbose=False)
+    assert not rm.plan.fallback
+    for m in (rm, reference):
+        torch.manual_seed(3)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = m(**batch).loss
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad), name

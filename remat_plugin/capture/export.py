@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
+from remat_plugin.capture.cast_cache import share_parameter_casts
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dataclass_trees import outputs_registered
 from remat_plugin.capture.draw_order import draws_in_memory_order
@@ -51,7 +52,9 @@ from remat_plugin.torch_private import (
     InputMutationAOTOutput,
     PlainAOTInput,
     aot_function,
+    autocast_settings,
     batch_norm_laid_out_as_eager,
+    extract_fwd_bwd_outputs,
     is_tangent,
     partial_graph_unprinted,
     pytree,
@@ -543,6 +546,8 @@ def build_step(
         return tensors
 
     n_params = len(dict(module.named_parameters()))
+    # the precision the caller's autocast casts to with its cache on (NOTE [autocast's cast cache])
+    cached_cast = next((dtype for kind, dtype, cache in autocast_settings() if kind == device.type and cache), None)
 
     def partition_fn(joint_gm, _joint_inputs, *, num_fwd_outputs, **_):
         step.joint_seen = True
@@ -554,6 +559,15 @@ def build_step(
                 raise
             except Exception as exc:  # a failed splice retraces whole (said), never a wrong graph
                 raise NotSpliceable(f"splicing failed: {type(exc).__name__}: {exc}") from exc
+        primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
+        if cached_cast is not None:  # NOTE [autocast's cast cache]
+            _, grads, _, _ = extract_fwd_bwd_outputs(joint_gm, num_fwd_outputs=num_fwd_outputs)
+            weights = [(n, g) for n, g, t in zip(primals[:n_params], grads, named.values())
+                       if t.requires_grad and t.dtype is torch.float32]
+            if len(grads) == len(primals) and weights:
+                shared = share_parameter_casts(joint_gm, *map(list, zip(*weights)), cached_cast)
+                if shared:
+                    log.debug("remat_plugin: autocast casts %s once, as its cast cache does", shared)
         split_dropouts(joint_gm)  # NOTE [dropout masks]
         draws_in_memory_order(joint_gm)  # NOTE [draw order]
         beside = outputs_beside_the_loss(len(step.out_tensor_positions), step.out_scalars) \
@@ -566,7 +580,6 @@ def build_step(
                            absent_tangents=step.absent_tangents)
         if not options.compile:  # the backward program's adds written into an operand (NOTE [in-place sums in the plan])
             joint.sums_in_place = sums_in_place(joint_gm)
-        primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
         joint.buffer_primals = {n.name for n in primals[n_params : len(names)]}
         joint.state_primals = {n.name for n in primals[: len(names)]}
         flat_inputs = [*named.values(), *(leaves[i] for i in tensor_positions)]

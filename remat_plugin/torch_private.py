@@ -273,10 +273,19 @@ _PYTHON_KERNEL_KEYS = (torch._C.DispatchKey.CompositeImplicitAutograd, torch._C.
 #     decomposition's gathers.  A float64 convolution's 9x9 output resized bilinearly to 5x7 gave a loss 2.8e-17
 #     and gradients 3.3e-17 off eager's (MobileViT, whose unfolding resizes, 6e-13).  While a step is traced those
 #     Python kernels are set aside, so the trace records the ops eager runs, ``upsample_bilinear2d`` and its
-#     ``upsample_bilinear2d_backward`` among them.  Nearest-neighbour modes gather and match eager already.
+#     ``upsample_bilinear2d_backward`` among them.  Nearest-neighbour modes too: their decomposition gathers
+#     (``_unsafe_index``), the same values, but its backward scatters into a row-major tensor
+#     (``_unsafe_index_put``) where ``upsample_nearest2d_backward`` lays its result out as the incoming
+#     gradient: a diffusers UNet's channels-last gradient (from its attention's reshapes) reached the next
+#     convolution row-major, whose bias gradient summed in another order (1 ulp off eager's, float64).
 _INTERPOLATIONS = ("upsample_linear1d.vec", "upsample_bilinear2d.vec", "upsample_trilinear3d.vec",
                    "upsample_bicubic2d.vec", "upsample_bilinear2d.default", "upsample_bicubic2d.default",
-                   "_upsample_bilinear2d_aa.vec", "_upsample_bicubic2d_aa.vec")
+                   "_upsample_bilinear2d_aa.vec", "_upsample_bicubic2d_aa.vec",
+                   "upsample_nearest1d.vec", "upsample_nearest2d.vec", "upsample_nearest3d.vec",
+                   "upsample_nearest1d.default", "upsample_nearest2d.default", "upsample_nearest3d.default",
+                   "_upsample_nearest_exact1d.vec", "_upsample_nearest_exact2d.vec", "_upsample_nearest_exact3d.vec",
+                   "_upsample_nearest_exact1d.default", "_upsample_nearest_exact2d.default",
+                   "_upsample_nearest_exact3d.default")
 
 
 def _interpolation_ops() -> list[OpOverload]:

@@ -399,6 +399,22 @@ def test_a_ctc_loss_inside_the_model_is_named_with_the_fix():
         rematerialize(_CTCHead(), (torch.randn(2, 10, 8), torch.randint(1, 6, (2, 3))), budget=10**9)
 
 
+def test_layerdrop_is_named_with_the_fix_and_plans_once_off():
+    """Wav2Vec2's LayerDrop (config.layerdrop = 0.1 by default) draws whether to skip each layer at every step: the
+    fallback names the setting to turn off, and with it off the model is planned."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                                         conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                         num_conv_pos_embedding_groups=2, num_labels=3, mask_time_prob=0.0)
+    model = transformers.Wav2Vec2ForSequenceClassification(config)
+    batch = {"input_values": torch.randn(2, 800), "labels": torch.tensor([0, 2])}
+    rm = rematerialize(model, (), batch, budget=10**12, verbose=False)
+    assert rm.plan.fallback and "set config.layerdrop = 0.0 to plan it" in rm.plan.fallback
+    model.config.layerdrop = 0.0
+    assert rematerialize(model, (), batch, budget=10**12, verbose=False).plan.fallback is None
+
+
 def test_parameters_swapped_for_plain_tensors_are_named_with_the_fix():
     """torch.func.functional_call with plain tensors (meta-learning, an EMA evaluated functionally): export refuses
     them; the error says why and what to call instead.  nn.Parameter values train with the original's gradients."""

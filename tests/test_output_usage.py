@@ -496,3 +496,53 @@ def test_hidden_states_the_loss_leaves_are_freed_without_a_false_warning(caplog)
     assert set(rm.plan.dropped_outputs) == {LOGITS, *range(LOGITS + 1, LOGITS + n_hidden)}, rm.plan  # all but the last
     assert rm._resolver.n_refined == 1
     assert max(peaks[1:]) <= budget
+
+
+class _Pooled(torch.nn.Module):
+    """An encoder returning its hidden states and a pooled summary (``ViTModel``'s ``pooler_output``); the
+    loss below reads the hidden states only, so no gradient reaches the pooler."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        self.pooler = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return hidden, torch.tanh(self.pooler(hidden[:, 0]))
+
+
+def test_parameters_no_gradient_reaches_keep_none_and_adamw_leaves_them_as_eager_does():
+    """NOTE [gradients no tangent reaches]: the pooler's gradient, computed from its output's zero-filled
+    tangent, came back as zeros at every step (the pooled output is too small to plan again without it),
+    and AdamW's weight decay moved the pooler where eager's None leaves it untouched."""
+    torch.manual_seed(0)
+    model = _Pooled()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    rm = rematerialize(model, (x,), budget=10**12, verbose=False)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (model, reference)]
+    for _ in range(3):
+        for m, opt in zip((rm, reference), optimizers):
+            opt.zero_grad(set_to_none=True)
+            m(x)[0].pow(2).mean().backward()
+            assert model.pooler.weight.grad is None and reference.pooler.weight.grad is None
+            opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_pooled_output_differentiated_after_all_gets_its_gradient():
+    """The same step with the pooled output in the loss: its gradient arrives, as eager's does."""
+    torch.manual_seed(0)
+    model = _Pooled()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, 16)
+    rm = rematerialize(model, (x,), budget=10**12, verbose=False)
+    for m in (rm, reference):
+        m(x)[0].pow(2).mean().backward()  # a first step that leaves the pooler out
+    for m in (rm, reference):
+        hidden, pooled = m(x)
+        (hidden.pow(2).mean() + pooled.sum()).backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)

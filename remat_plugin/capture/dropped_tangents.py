@@ -32,6 +32,16 @@ NOTE [relaid tangents]
     bit for bit ``grad``.  Such a sum runs with other strides than traced, as a folded one does, so
     what follows it stays out of place (NOTE [in-place adds]).  A tangent the caller does send is
     added as traced.  Compiled programs take their inputs as traced and are left as they are.
+
+NOTE [gradients no tangent reaches]
+    Eager autograd leaves ``.grad`` None for a parameter the loss does not reach: a pooler whose output the
+    caller ignores (``YolosModel``'s or ``ViTModel``'s ``pooler_output`` beside ``last_hidden_state``).  The
+    backward program computed that parameter's gradient from the output's tangent, filled with zeros, and
+    returned zeros: ``.grad`` became a zero tensor, which an optimizer does not skip (AdamW decays the
+    weight and moves its moments; eager leaves it untouched).  A gradient is linear in the tangents it
+    reads, so where every tangent it reads arrived missing it is exactly nothing: the program returns None
+    for it (:func:`tangents_read`), as eager does.  A tangent the caller sends, zeros included, is read as
+    sent.
 """
 from __future__ import annotations
 
@@ -151,10 +161,38 @@ def keep_missing_gradients(node) -> None:
     node.set_materialize_grads(False)
 
 
+def tangents_read(gm: fx.GraphModule) -> list[tuple[int, frozenset[int]]]:
+    """Each output of ``gm`` (a backward program or the joint graph) that reads tangents -> the positions, among
+    ``gm``'s placeholders, of the tangents it reads, directly or not (NOTE [gradients no tangent reaches])."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    reads: dict[fx.Node, int] = {ph: 1 << i for i, ph in enumerate(placeholders) if is_tangent(ph)}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            bits = 0
+            for arg in node.all_input_nodes:
+                bits |= reads.get(arg, 0)
+            if bits:
+                reads[node] = bits
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    out = []
+    for j, value in enumerate(output.args[0]):
+        bits = reads.get(value, 0) if isinstance(value, fx.Node) else 0
+        if bits:
+            out.append((j, frozenset(i for i in range(len(placeholders)) if bits >> i & 1)))
+    return out
+
+
+def some_gradient_reads_part_of_the_tangents(gm: fx.GraphModule) -> bool:
+    """Whether a missing tangent can leave a gradient with nothing to read: one reads tangents, not all of them."""
+    tangents = frozenset(i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder")) if is_tangent(ph))
+    return any(read != tangents for _, read in tangents_read(gm))
+
+
 class FilledTangents:
     """A backward program whose missing tangents, other than the folded ones, arrive as zeros, as autograd
     filled them before :func:`keep_missing_gradients`, or laid out as the gradient they are added into
-    (``relaid``, NOTE [relaid tangents]); called with AOTAutograd's boxed convention."""
+    (``relaid``, NOTE [relaid tangents]); a gradient that reads only missing tangents is None (NOTE [gradients
+    no tangent reaches]).  Called with AOTAutograd's boxed convention."""
 
     _boxed_call = True
 
@@ -165,11 +203,23 @@ class FilledTangents:
             (i, relaid.get(ph.name, ph.meta["val"])) for i, ph in enumerate(gm.graph.find_nodes(op="placeholder"))
             if is_tangent(ph) and ph.name not in folded and isinstance(ph.meta.get("val"), torch.Tensor)
         ]
+        self.tangents = [i for i, ph in enumerate(gm.graph.find_nodes(op="placeholder")) if is_tangent(ph)]
+        self.reads = tangents_read(gm)
 
     def __call__(self, args: list) -> tuple:
+        missing = {i for i in self.tangents if args[i] is None}
         for i, val in self.fill:
             if args[i] is None:
                 args[i] = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype,
                                               device=val.device).zero_()
-        return self.program(args)
+        unreached = frozenset(j for j, read in self.reads if read <= missing) if missing else frozenset()
+        # a segmented backward returns later segments' gradients through nodes of its own: it is told
+        told = unreached and getattr(self.program, "takes_unreached", False)
+        out = self.program(args, unreached) if told else self.program(args)  # type: ignore[call-arg]
+        if not unreached:
+            return out
+        grads = list(out)
+        for j in unreached:
+            grads[j] = None
+        return type(out)(grads) if isinstance(out, tuple) else grads
 

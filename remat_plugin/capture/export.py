@@ -31,6 +31,7 @@ from remat_plugin.capture.dropped_tangents import (
     fold_dropped_tangents,
     keep_missing_gradients,
     relaid_tangents,
+    some_gradient_reads_part_of_the_tangents,
 )
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
 from remat_plugin.capture.hf_masks import eager_masks
@@ -77,6 +78,20 @@ def _eager_experts(frame: FrameType | None) -> bool:
 
 _TORCH_NN = "site-packages/torch/nn/"
 _RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
+
+
+def _layer_drops(module: nn.Module, user: list[FrameType]) -> list[str]:
+    """The model's LayerDrop settings above zero (``layerdrop=0.1``), where the failing function reads one."""
+    if not user:
+        return []
+    frame = user[-1]
+    lines = linecache.getlines(frame.f_code.co_filename)[frame.f_code.co_firstlineno - 1 : frame.f_lineno]
+    if "layerdrop" not in "".join(lines).lower():  # the failing function, up to the failing line
+        return []
+    config = getattr(module, "config", None)
+    settings = vars(config) if config is not None and hasattr(config, "__dict__") else {}
+    return [f"{k}={v}" for k, v in settings.items()
+            if "layerdrop" in k.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
 
 
 def _enclosing_lines(filename: str, lineno: int) -> list[str]:
@@ -150,6 +165,11 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             hint = (" (a BatchNorm built with momentum=None averages its statistics by its batch count, a buffer's "
                     "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "
                     "the default 0.1)")
+        elif ("data-dependent" in first or "DataDependent" in type(exc).__name__) and _layer_drops(module, user):
+            drops = _layer_drops(module, user)
+            hint = (f" (LayerDrop: the model draws at every step whether to skip each layer ({', '.join(drops)}), "
+                    "which a traced graph cannot follow: set " + " and ".join(f"config.{d.split('=')[0]} = 0.0"
+                                                                              for d in drops) + " to plan it)")
         elif "data-dependent" in first or "DataDependent" in type(exc).__name__:
             blocks = _enclosing_lines(user[-1].f_code.co_filename, user[-1].f_lineno) if user else []
             read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
@@ -311,6 +331,8 @@ class CompiledStep:
     absent_tangents: frozenset[str] = frozenset()  # dropped outputs' tangents, left None (NOTE [dropped tangents])
     # Tangents a missing gradient fills laid out as the gradient they are added into (NOTE [relaid tangents])
     relaid_tangents: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Some gradient reads only some tangents: missing ones may leave it None (NOTE [gradients no tangent reaches])
+    partial_gradients: bool = False
     # The exported module its joint graph is traced from: a new plan of the same call (the outputs the caller
     # drops, a calibration correction) traces it again instead of exporting the model anew.
     exported: torch.fx.GraphModule | None = None
@@ -364,7 +386,7 @@ class CompiledStep:
                 self.instead = self.on_untraceable(err)
                 return self.instead(args, kwargs)
             self.traced = True
-        if (self.absent_tangents or self.relaid_tangents) and torch.is_grad_enabled():
+        if (self.absent_tangents or self.relaid_tangents or self.partial_gradients) and torch.is_grad_enabled():
             self._keep_missing_gradients(flat_out)
         without_donated_buffers(flat_out)
         if self.options.watch_outputs:
@@ -576,6 +598,7 @@ def build_step(
         step.absent_tangents = fold_dropped_tangents(joint_gm, dropped_outputs | step.ungraded_outputs)  # NOTE [dropped tangents]
         if not options.compile:
             step.relaid_tangents = relaid_tangents(joint_gm)  # NOTE [relaid tangents]
+        step.partial_gradients = some_gradient_reads_part_of_the_tangents(joint_gm)  # NOTE [gradients no tangent reaches]
         joint = JointGraph(joint_gm, num_fwd_outputs, device.type, dropped_outputs=dropped_outputs,
                            absent_tangents=step.absent_tangents)
         if not options.compile:  # the backward program's adds written into an operand (NOTE [in-place sums in the plan])
@@ -595,7 +618,7 @@ def build_step(
             views_copied_if_needed(gm_)  # NOTE [views of mistraced strides]
             program = step.backward = SegmentedBackward(gm_, options.backward_segments)
             step.programs.append(step.backward)
-        if step.absent_tangents or step.relaid_tangents:
+        if step.absent_tangents or step.relaid_tangents or step.partial_gradients:
             return FilledTangents(program, gm_, step.absent_tangents, step.relaid_tangents)
         return program
 

@@ -57,6 +57,7 @@ class _Call:
     carry: list | None = None  # values alive across the last cut run
     next_segment: int = 0
     autocast: bool = False  # autocast was on inside AOTAutograd's backward (it disables it where it traced without)
+    unreached: frozenset[int] = frozenset()  # output positions no tangent reached (NOTE [gradients no tangent reaches])
 
 
 def _nbytes(node: fx.Node) -> int:
@@ -194,6 +195,7 @@ class SegmentedBackward:
     """
 
     _boxed_call = True  # AOTAutograd passes the argument list itself, which each program clears as it reads
+    takes_unreached = True  # told which gradients no tangent reached (:class:`FilledTangents`)
 
     def __init__(self, gm: fx.GraphModule, max_segments: int = MAX_SEGMENTS):
         self.gm = gm
@@ -205,14 +207,16 @@ class SegmentedBackward:
     def n_segments(self) -> int:
         return self.split.n_segments
 
-    def __call__(self, args: list) -> tuple:
+    def __call__(self, args: list, unreached: frozenset[int] = frozenset()) -> tuple:
+        """``unreached``: gradients that read only missing tangents, None however a segment returns them (NOTE
+        [gradients no tangent reaches]); the caller sets those a whole run returns."""
         call = getattr(_current, "call", None)
         _current.call = None
         if call is not None and call.backward is self:
             split = call.split
             grads: list = [None] * split.n_outputs
             made, call.carry = split.run(0, args)
-            call.next_segment, call.autocast = 1, any_autocast_enabled()
+            call.next_segment, call.autocast, call.unreached = 1, any_autocast_enabled(), unreached
             split.place(grads, 0, made)
             return tuple(grads)
         if self.timed:  # a call that was not wired (nothing to release early)
@@ -315,8 +319,11 @@ class _ReleaseSegment(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _token_grad):  # type: ignore[override]
-        made = ctx.call.backward.run_later(ctx.call, ctx.s)
-        return (None, None, None, torch.empty(0) if ctx.has_token else None, *(made[k] for k in ctx.index))
+        call = ctx.call
+        made = call.backward.run_later(call, ctx.s)
+        positions = call.split.positions[ctx.s]
+        return (None, None, None, torch.empty(0) if ctx.has_token else None,
+                *(None if positions[k] in call.unreached else made[k] for k in ctx.index))
 
 
 class _InOrder(torch.autograd.Function):
@@ -324,6 +331,7 @@ class _InOrder(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # a gradient no tangent reached stays None (NOTE [gradients no tangent reaches])
         return tensor.detach()
 
     @staticmethod
@@ -336,6 +344,7 @@ class _Link(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor: torch.Tensor, token: torch.Tensor):  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # an anchor no tangent reached stays None; the chain starts all the same
         return anchor.detach()
 
     @staticmethod

@@ -94,3 +94,30 @@ def test_albert_s_shared_layer_with_a_padded_mask_and_dropout():
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 11:] = 0
     _assert_eager_s(model, (), {"input_ids": ids, "attention_mask": mask, "labels": ids}, loss=lambda out: out.loss)
+
+
+class _OwnCasts(nn.Module):
+    """A model that casts its weight itself at each use, which eager autocast never caches."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = x.bfloat16()
+        for _ in range(3):
+            h = torch.tanh(nn.functional.linear(h, self.lin.weight.to(torch.bfloat16)))
+        return h.float().pow(2).mean()
+
+
+def test_a_weight_the_model_casts_itself_keeps_a_cast_per_use():
+    """Explicit casts are each their own cast in eager, their gradients summed in fp32: the plan keeps them so."""
+    torch.manual_seed(0)
+    model = _OwnCasts()
+    reference = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    with torch.autocast(**BF16):
+        rm = rematerialize(model, (x,), budget=10**12, verbose=False)
+    for (_, ours), (_, eager) in zip(_steps(rm, (x,), {}, lambda out: out, True),
+                                     _steps(reference, (x,), {}, lambda out: out, True)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, eager))

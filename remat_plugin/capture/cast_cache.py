@@ -10,7 +10,9 @@ NOTE [autocast's cast cache]
     of such a parameter is autocast's cast to that dtype, and its gradient is a sum of exactly those casts'
     converted gradients, the casts become the first one and the sum is taken in low precision, in the order
     the gradients arose, then converted once: eager's arithmetic.  A parameter also used otherwise (read in
-    fp32 inside an ``autocast(enabled=False)`` region, cast explicitly) keeps the traced graph.
+    fp32 inside an ``autocast(enabled=False)`` region) keeps the traced graph, and so does one the model casts
+    itself (``w.to(torch.bfloat16)``, which eager never caches): the exported program, traced above autocast,
+    holds only the model's own casts (:func:`cast_by_the_model`).
 """
 from __future__ import annotations
 
@@ -50,6 +52,22 @@ def _sum_leaves(root: fx.Node) -> list[fx.Node] | None:
             terms += inner
         return terms
     return [root]
+
+
+_MODEL_CASTS = {"aten::to", "aten::_to_copy", "aten::type_as"}
+
+
+def cast_by_the_model(exported: fx.GraphModule) -> set[str]:
+    """Names of the parameters the model's own code casts: conversions of them in the exported program, which
+    records no autocast cast (NOTE [autocast's cast cache])."""
+    out = set()
+    for node in exported.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.name in _MODEL_CASTS and node.args:
+            source = node.args[0]
+            if isinstance(source, fx.Node) and source.op == "get_attr":
+                out.add(str(source.target))
+    return out
 
 
 def share_parameter_casts(joint_gm: fx.GraphModule, params: list[fx.Node], grads: list[fx.Node | None],

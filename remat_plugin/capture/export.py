@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
-from remat_plugin.capture.cast_cache import share_parameter_casts
+from remat_plugin.capture.cast_cache import cast_by_the_model, share_parameter_casts
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dataclass_trees import outputs_registered
 from remat_plugin.capture.draw_order import draws_in_memory_order
@@ -584,8 +584,9 @@ def build_step(
         primals = [n for n in joint_gm.graph.nodes if n.op == "placeholder" and not is_tangent(n)]
         if cached_cast is not None:  # NOTE [autocast's cast cache]
             _, grads, _, _ = extract_fwd_bwd_outputs(joint_gm, num_fwd_outputs=num_fwd_outputs)
-            weights = [(n, g) for n, g, t in zip(primals[:n_params], grads, named.values())
-                       if t.requires_grad and t.dtype is torch.float32]
+            own = cast_by_the_model(step.exported)  # never cached by eager
+            weights = [(n, g) for n, g, (name, t) in zip(primals[:n_params], grads, named.items())
+                       if t.requires_grad and t.dtype is torch.float32 and name not in own]
             if len(grads) == len(primals) and weights:
                 shared = share_parameter_casts(joint_gm, *map(list, zip(*weights)), cached_cast)
                 if shared:

@@ -149,6 +149,8 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             library_line = code
         where += inner
         hint = ""
+        data_dependent = "data-dependent" in first or "DataDependent" in type(exc).__name__
+        drops = _layer_drops(module, user) if data_dependent else []
         if "cache_utils" in first or "Cache'> in output" in first:
             hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
                     "for it; call the model with use_cache=False)")
@@ -165,12 +167,11 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             hint = (" (a BatchNorm built with momentum=None averages its statistics by its batch count, a buffer's "
                     "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "
                     "the default 0.1)")
-        elif ("data-dependent" in first or "DataDependent" in type(exc).__name__) and _layer_drops(module, user):
-            drops = _layer_drops(module, user)
+        elif drops:
             hint = (f" (LayerDrop: the model draws at every step whether to skip each layer ({', '.join(drops)}), "
                     "which a traced graph cannot follow: set " + " and ".join(f"config.{d.split('=')[0]} = 0.0"
                                                                               for d in drops) + " to plan it)")
-        elif "data-dependent" in first or "DataDependent" in type(exc).__name__:
+        elif data_dependent:
             blocks = _enclosing_lines(user[-1].f_code.co_filename, user[-1].f_lineno) if user else []
             read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
                     and any(re.search(rf"\b{re.escape(name)}\b", text) for text in [line, *blocks])]

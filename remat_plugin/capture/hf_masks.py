@@ -35,8 +35,8 @@ _EXPORTING = "is_torchdynamo_exporting"
 
 @contextlib.contextmanager
 def eager_masks() -> Iterator[None]:
-    """Inside, transformers decides as eager does whether a bidirectional mask without padding is needed
-    (NOTE [masks under export]).  Nothing happens unless ``transformers.masking_utils`` is loaded."""
+    """Inside, transformers decides as eager does whether a bidirectional or causal mask without padding is
+    needed (NOTE [masks under export]).  Nothing happens unless ``transformers.masking_utils`` is loaded."""
     masking = sys.modules.get("transformers.masking_utils")
     with contextlib.ExitStack() as stack:
         for name, eager in ((_SKIP_CHECK, _as_eager), (_CAUSAL_SKIP_CHECK, _causal_as_eager)):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from budgets import assert_bitwise_at_a_recomputing_budget, step_grads
 from torch import nn
 
-from remat_plugin import rematerialize, torch_private
+from remat_plugin import CaptureError, rematerialize, torch_private
 
 
 class RecurrentLM(nn.Module):
@@ -75,3 +75,30 @@ def test_layer_by_layer_kernel_off_cpu_keeps_the_dropout(monkeypatch):
     batches = [(torch.randn(5, 3, 6, dtype=torch.float64), torch.randn(6, 3, 4, dtype=torch.float64),
                 torch.randn(6, 3, 8, dtype=torch.float64)) for _ in range(2)]
     assert _max_difference(model, batches) == 0.0
+
+
+class PackedTagger(nn.Module):
+    """Padded sequences packed by their lengths, as older NLP code feeds a recurrent layer."""
+
+    def __init__(self, kind: type[nn.Module], with_state: bool):
+        super().__init__()
+        self.rnn = kind(8, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+        self.with_state = with_state
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        state = torch.zeros(2, x.shape[0], 16) if self.with_state else None
+        if state is not None and isinstance(self.rnn, nn.LSTM):
+            state = (state, state)
+        out, _ = self.rnn(packed, state)
+        return self.head(nn.utils.rnn.pad_packed_sequence(out, batch_first=True)[0])
+
+
+@pytest.mark.parametrize("kind,with_state", [(nn.LSTM, False), (nn.GRU, True)])
+def test_a_packed_sequence_is_refused_with_the_fix(kind, with_state):
+    """Its batch sizes come from the lengths' values: refused, naming PackedSequence and what to do instead."""
+    model = PackedTagger(kind, with_state)
+    with pytest.raises(CaptureError, match=r"PackedSequence holds its batch sizes.*run the recurrent layer on the "
+                                           r"padded batch.*or train this model unplanned"):
+        rematerialize(model, (torch.randn(3, 6, 8), torch.tensor([6, 2, 4])), budget=10**12, verbose=False)

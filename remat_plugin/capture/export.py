@@ -158,6 +158,11 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             hint = (" (the CTC loss sizes its work by the values of its lengths, which a traced graph cannot depend "
                     "on: return the log-probabilities and compute F.ctc_loss outside the model, or call a "
                     "transformers CTC model without labels=...)")
+        elif any(isinstance(v, nn.utils.rnn.PackedSequence) for f in frames for v in f.f_locals.values()):
+            hint = (" (a PackedSequence holds its batch sizes as a tensor made from the lengths' values, which a "
+                    "graph traced at fixed sizes cannot depend on: run the recurrent layer on the padded batch and "
+                    "mask the padding's outputs (a bidirectional layer's backward direction then also reads the "
+                    "padding), or train this model unplanned)")
         elif "is not an instance of torch.nn.Parameter" in first:
             hint = (" (its parameters were swapped for plain tensors, as torch.func.functional_call and "
                     "torch.nn.utils.stateless do: a planned step is traced on the module's own Parameters; call "

@@ -78,6 +78,31 @@ def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
     return None if best is None else (best[1], best[2])
 
 
+def find_layer_chains(module: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """:func:`find_layer_chain`'s layers first, then every other list of repeated layers outside them that holds
+    none of them (a vision tower beside a language model, an encoder beside a decoder): the per-layer fallback
+    checkpoints them all.  Lists of bare modules (a head's two Linears) are not layers: checkpointing one
+    saves nothing, as its output is not what its backward reads."""
+    best = find_layer_chain(module)
+    if best is None:
+        return []
+    chains = [best]
+
+    def nested(inner: str, outer: str) -> bool:
+        return outer == "" or inner == outer or inner.startswith(outer + ".")
+
+    for name, child in module.named_modules():  # parents before children: the outermost list of a kind wins
+        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
+            continue
+        layers = list(child)
+        if len({type(m) for m in layers}) != 1 or not any(True for _ in layers[0].children()):
+            continue
+        if any(nested(name, other) or nested(other, name) for other, _ in chains):
+            continue
+        chains.append((name, layers))
+    return chains
+
+
 _LEAF = object()  # stands for a tensor leaf among a call's non-tensor constants
 
 

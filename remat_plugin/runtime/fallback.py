@@ -1,8 +1,8 @@
 """Module-level fallback for models torch.export cannot capture.
 
 When the whole model has no graph (data-dependent control flow, an unsupported op), we
-still know its structure: the largest list of repeated layers (a ``ModuleList`` or
-``Sequential`` of one class) is the chain.  Each layer then runs under non-reentrant
+still know its structure: its lists of repeated layers (a ``ModuleList`` or ``Sequential`` of one
+class; a vision tower's beside a language model's) are the chains.  Each layer then runs under non-reentrant
 ``torch.utils.checkpoint``, which keeps only layer inputs and recomputes the rest in
 backward (random ops replay their generator state).  Buffers a layer updates in its
 forward (BatchNorm running statistics) are restored after the recomputation, so they
@@ -46,16 +46,18 @@ def checkpointed_layers(layers: list[nn.Module]) -> contextlib.AbstractContextMa
     return swapped_forwards(layers, _checkpointed_forward)
 
 
-def fallback_plan(reason: str, chain_name: str, layers: list[nn.Module], budget_bytes: int, signature: str) -> Plan:
+def fallback_plan(reason: str, chains: list[tuple[str, list[nn.Module]]], budget_bytes: int, signature: str) -> Plan:
     """A plan that records the fallback; memory figures are unknown (-1) without a graph."""
+    names = " and ".join(repr(name) for name, _ in chains)
+    n_layers = sum(len(layers) for _, layers in chains)
     log.warning(
-        "remat_plugin: %s; falling back to checkpointing each of the %d layers of %r. "
-        "Without a graph the budget of %d bytes cannot be verified.", reason, len(layers), chain_name, budget_bytes,
+        "remat_plugin: %s; falling back to checkpointing each of the %d layers of %s. "
+        "Without a graph the budget of %d bytes cannot be verified.", reason, n_layers, names, budget_bytes,
     )
     return Plan(
         budget_bytes=budget_bytes, margin_bytes=0, predicted_peak_bytes=-1, predicted_time_ms=-1.0,
         baseline_peak_bytes=-1, baseline_time_ms=-1.0, min_feasible_bytes=-1,
-        blocks=tuple(BlockChoice(i, 0, "checkpoint", -1, -1.0) for i in range(len(layers))),
+        blocks=tuple(BlockChoice(i, 0, "checkpoint", -1, -1.0) for i in range(n_layers)),
         n_unique_blocks=1, signature=signature,
-        fallback=f"{reason}; per-layer checkpointing of {chain_name!r} ({len(layers)} layers)",
+        fallback=f"{reason}; per-layer checkpointing of {names} ({n_layers} layers)",
     )

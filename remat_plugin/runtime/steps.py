@@ -29,7 +29,7 @@ from remat_plugin.capture.joint import JointGraph
 from remat_plugin.capture.measured_costs import OpTimings, profile_ops, scratch_of
 from remat_plugin.capture.output_usage import OutputUsage
 from remat_plugin.capture.programs import emit_programs
-from remat_plugin.capture.repeated_layers import find_layer_chain
+from remat_plugin.capture.repeated_layers import find_layer_chains
 from remat_plugin.errors import CaptureError, human_bytes
 from remat_plugin.ir.plan import Plan, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
@@ -215,24 +215,24 @@ def _not_built(args: tuple, kwargs: dict) -> Any:
 
 def _fallback(module: nn.Module, err: CaptureError, budget_bytes: int,
               step: PlannedStep) -> Callable[[tuple, dict], Any]:
-    """Per-layer checkpointing of the model's repeated layers, when the model has no graph."""
+    """Per-layer checkpointing of each list of the model's repeated layers, when the model has no graph."""
     if not err.fallback:
         raise err
-    chain = find_layer_chain(module)
-    if chain is None:
+    chains = find_layer_chains(module)
+    if not chains:
         raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err
-    name, layers = chain
-    step.plan = fallback_plan(str(err), name, layers, budget_bytes, step.signature_key)
-    return _checkpointed_run(module, layers)
+    step.plan = fallback_plan(str(err), chains, budget_bytes, step.signature_key)
+    return _checkpointed_run(module, [layer for _, layers in chains for layer in layers])
 
 
 def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
     """The step of a fallback ``plan`` made elsewhere (rank 0, a larger bucket): per-layer checkpointing, no capture."""
-    chain = find_layer_chain(module)
-    if chain is None:
+    chains = find_layer_chains(module)
+    if not chains:
         raise CaptureError(f"remat_plugin.runtime: the plan is a fallback ({plan.fallback}), but "
                            f"{type(module).__name__} has no list of repeated layers here to checkpoint")
-    return PlannedStep(run=_checkpointed_run(module, chain[1]), signature_key=call.key, plan=plan, checked=True,
+    layers = [layer for _, chain in chains for layer in chain]
+    return PlannedStep(run=_checkpointed_run(module, layers), signature_key=call.key, plan=plan, checked=True,
                        tensor_ids=call.tensor_ids)
 
 

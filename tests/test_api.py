@@ -491,25 +491,43 @@ class _TowerAndLayers(nn.Module):
         return text.square().mean()
 
 
-def test_the_fallback_checkpoints_every_list_of_layers():
-    """The tower's blocks are checkpointed too, not only the list holding the most parameters: the step keeps
-    the blocks' inputs, not their 512-wide activations (8 MiB of them; one block's are back in its backward), and
-    its gradients are eager's."""
+def test_the_fallback_meters_how_many_layers_it_checkpoints():
+    """NOTE [metered fallback]: with room, no layer is checkpointed (nothing recomputed for nothing); below what
+    every layer checkpointed measures, the call is refused before it runs, naming that; between, the measured
+    step stays within its budget.  Both lists are checkpointed, the tower's too, not only the one holding the
+    most parameters (its 512-wide activations are most of the step's memory); gradients are eager's."""
     from remat_plugin.capture.memory_meter import measure_peak_profiler
 
     torch.manual_seed(0)
     model = _TowerAndLayers().double()
     ref = copy.deepcopy(model)
     image, text = torch.randn(256, 64, dtype=torch.float64), torch.randn(8, 64, dtype=torch.float64)
-    rm = rematerialize(model, (image, text), budget=10**9, verbose=False)
-    assert "'layers' and 'tower'" in rm.plan.fallback and "(8 layers)" in rm.plan.fallback
-    peaks = []
-    for m in (rm, ref):
+
+    def measured(m) -> int:
         m(image, text).backward()  # the first step: not measured
         m.zero_grad(set_to_none=True)
-        peaks.append(measure_peak_profiler(lambda m=m: m(image, text).backward())[1])
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
-    assert peaks[0] < peaks[1] - 3 * 2**20, [p / 2**20 for p in peaks]  # 8.9 against 13.8 MiB
+        return measure_peak_profiler(lambda: m(image, text).backward())[1]
+
+    eager = measured(ref)
+    rm = rematerialize(model, (image, text), budget=10**9, verbose=False)
+    assert "'layers' and 'tower'" in rm.plan.fallback and "(8 layers)" in rm.plan.fallback
+    assert measured(rm) == eager and all(b.mode == "keep" for b in rm.plan.blocks)
+    assert rm.plan.baseline_peak_bytes == rm.plan.predicted_peak_bytes == eager
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(InfeasibleBudgetError, match=r"each of its 8 layers checkpointed") as refused:
+        rematerialize(model, (image, text), budget=2**20, verbose=False)(image, text)
+    assert all(p.grad is None for p in model.parameters()), "refused before the step ran"
+    floor = refused.value.min_feasible_bytes
+    assert floor < eager - 3 * 2**20, (floor, eager)  # 9.0 against 13.8 MiB: the tower's activations are gone
+    for budget in (floor, (floor + eager) // 2):
+        rm = rematerialize(model, (image, text), budget=budget, verbose=False)
+        peak = measured(rm)
+        assert peak <= budget and abs(peak - rm.plan.predicted_peak_bytes) <= 2**16, (budget, peak, rm.plan)
+        checkpointed = sum(b.mode == "checkpoint" for b in rm.plan.blocks)
+        assert 0 < checkpointed <= 8, rm.plan.blocks
+        ref.zero_grad(set_to_none=True)
+        ref(image, text).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 
 
 class _SelectsByMask(nn.Module):

@@ -18,7 +18,8 @@ class _BranchyLayers(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2)) for _ in range(4))
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Dropout(0.2), nn.Linear(512, 64))
+                                    for _ in range(4))
 
     def forward(self, x):
         if x.mean() > 10:
@@ -35,8 +36,8 @@ def _fallback_worker(rank: int, port: int, out_dir: str) -> None:
     torch.manual_seed(0)
     plain = _BranchyLayers().double()
     ours = copy.deepcopy(plain)
-    session = session_on(ours)
-    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    session = session_on(ours, budget=int(6.5 * 2**20))  # below the unmodified step's peak (9.6 MiB)
+    x = torch.randn(128, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     same = True
     for _ in range(2):
         for module in (plain, ours):
@@ -44,18 +45,24 @@ def _fallback_worker(rank: int, port: int, out_dir: str) -> None:
             torch.manual_seed(3)
             module(x).backward()
         same &= all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), ours.parameters()))
-    torch.save({"same": same, "fallback": session.plan.fallback, "solved": session.n_solved},
+    torch.save({"same": same, "fallback": session.plan.fallback, "solved": session.n_solved,
+                "checkpointed": [b.mode == "checkpoint" for b in session.plan.blocks],
+                "peaks": (session.plan.predicted_peak_bytes, session.plan.baseline_peak_bytes)},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def test_fallback_plan_is_agreed_and_run_on_every_rank(tmp_path):
-    """An uncapturable model under 2 ranks: rank 0 makes the fallback plan, both run it, gradients equal eager."""
+    """An uncapturable model under 2 ranks: rank 0 makes the fallback plan, both run it, gradients equal eager;
+    every rank meters it and the highest peak decides, so both checkpoint the same layers (NOTE [metered
+    fallback]), some but not all under a budget between the unmodified step's peak and per-layer checkpointing's."""
     spawn_two(_fallback_worker, tmp_path)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["same"] and r1["same"]
     assert r0["fallback"] and r0["fallback"] == r1["fallback"] and "'layers'" in r0["fallback"]
     assert (r0["solved"], r1["solved"]) == (1, 0)
+    assert r0["checkpointed"] == r1["checkpointed"] and 0 < sum(r0["checkpointed"]) < 4, r0
+    assert r0["peaks"] == r1["peaks"] and r0["peaks"][0] <= int(6.5 * 2**20) < r0["peaks"][1], r0
 
 
 def _failing_worker(rank: int, port: int, out_dir: str) -> None:

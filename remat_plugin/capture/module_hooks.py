@@ -60,6 +60,14 @@ def hooks_state(module: nn.Module) -> str:
     return "|".join(sorted(f"{where}:{origin}.{name}" for where, origin, name in _hooks(module, (False, True))))
 
 
+def user_hooks(module: nn.Module) -> list[str]:
+    """Every backward hook, and the forward hooks that are not PyTorch's, ours or transformers' collectors:
+    hooks whose Python a step run only to be metered would run again (NOTE [metered fallback])."""
+    return sorted({f"{name} on {where}" for where, origin, name in _hooks(module, (False, True))
+                   if not origin.startswith(_TRACED_AS_OPS) and "enable_input_require_grads" not in name}
+                  | {f"{name} on {where}" for where, _, name in _hooks(module, (True,))})
+
+
 def check_hooks(module: nn.Module) -> None:
     """Refuse backward hooks, and say once which forward hooks run only while tracing (NOTE [module hooks])."""
     backward = [f"{name} on {where}" for where, _, name in _hooks(module, (True,))]

@@ -98,8 +98,14 @@ class Plan:
         return Plan(**data)
 
     def table(self) -> str:
-        if self.fallback:
-            return f"remat plan  budget {human_bytes(self.budget_bytes)}  FALLBACK: {self.fallback} (budget not verified)"
+        if self.fallback:  # sized by metered steps (NOTE [metered fallback]) once its predicted peak is known
+            if self.predicted_peak_bytes < 0:
+                return (f"remat plan  budget {human_bytes(self.budget_bytes)}  FALLBACK: {self.fallback} (not metered "
+                        "yet: every layer checkpointed, the budget not verified)")
+            checkpointed = sum(b.mode == "checkpoint" for b in self.blocks)
+            return (f"remat plan  budget {human_bytes(self.budget_bytes)}  FALLBACK: {self.fallback}; "
+                    f"{checkpointed} of {len(self.blocks)} layers checkpointed, measured peak "
+                    f"{human_bytes(self.predicted_peak_bytes)} (unmodified {human_bytes(self.baseline_peak_bytes)})")
         floor = human_bytes(self.min_feasible_bytes) if self.min_feasible_bytes >= 0 else "not computed"
         lines = [
             (

@@ -139,8 +139,12 @@ class RankAgreement:
         """
         while call.key in self._to_meter:
             plan = self._agreed[call.key]
-            if plan.fallback:
+            if plan.fallback:  # NOTE [metered fallback]: every rank meters, the highest peak decides alike
+                if any(dist.all_gather(profiler_active())):
+                    return step
                 self._to_meter.discard(call.key)
+                step.to_meter = False
+                self.resolver.size_fallback(call, step, functools.partial(self._highest_peak, call, step))
                 return step
 
             results = dist.gathered(functools.partial(self._meter, call, step), "metering its step")
@@ -155,6 +159,11 @@ class RankAgreement:
                 return step
             step = replanned
         return step
+
+    def _highest_peak(self, call: Call, step: PlannedStep) -> int | None:
+        """Every rank's metered peak of ``step``, the highest (None if no rank could meter it)."""
+        results = dist.gathered(functools.partial(self._meter, call, step), "metering its step")
+        return max((peak for _, peak in results if peak is not None), default=None)
 
     def _meter(self, call: Call, step: PlannedStep) -> tuple[bool, int | None]:
         """(deferred, this rank's metered peak): deferred while a caller's profiler records (sessions do not nest)."""

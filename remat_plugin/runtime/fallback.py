@@ -2,17 +2,32 @@
 
 When the whole model has no graph (data-dependent control flow, an unsupported op), we
 still know its structure: its lists of repeated layers (a ``ModuleList`` or ``Sequential`` of one
-class; a vision tower's beside a language model's) are the chains.  Each layer then runs under non-reentrant
-``torch.utils.checkpoint``, which keeps only layer inputs and recomputes the rest in
+class; a vision tower's beside a language model's) are the chains.  A layer may run under non-reentrant
+``torch.utils.checkpoint``, which keeps only its inputs and recomputes the rest in
 backward (random ops replay their generator state).  Buffers a layer updates in its
 forward (BatchNorm running statistics) are restored after the recomputation, so they
-change exactly once per step.  Without a graph there is no memory model: the plan says
-so, and the budget is not verified.
+change exactly once per step.
+
+NOTE [metered fallback]
+    Without a graph there is no memory model, so how many layers to checkpoint is measured: before the
+    step's first call (as NOTE [calibration] meters a plan) one forward+backward with no layer checkpointed
+    is metered at the allocator, unobserved.  Within the budget's usable part, nothing is checkpointed (no
+    recomputation for nothing).  Else one with every layer checkpointed is metered: above the budget,
+    :class:`~remat_plugin.errors.InfeasibleBudgetError` names the measured peak before the caller's step runs;
+    within it, the first ``k`` layers are checkpointed, ``k`` read off the line between the two peaks, and
+    metered in turn (up to :data:`MAX_SIZINGS` times, then all layers).  The plan records what was chosen
+    (``blocks``: "checkpoint" or "keep" per layer) and the peaks measured.  The layers saving the most for
+    backward (counted in the first metered step) are checkpointed first: a vision tower's before a language
+    model's layers run on fewer tokens.  A step that cannot be metered (no output carries a gradient), or a
+    model with hooks (NOTE [module hooks]), which a metered step would run again, checkpoints every layer,
+    unverified, as a warning says.  The metered steps run the forward's Python: side effects outside buffers and
+    the random streams (a counter kept in a plain attribute) happen once more per metered step.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -46,13 +61,79 @@ def checkpointed_layers(layers: list[nn.Module]) -> contextlib.AbstractContextMa
     return swapped_forwards(layers, _checkpointed_forward)
 
 
+class CheckpointedRun:
+    """The module's own forward with ``count`` of ``layers`` checkpointed, those that save the most for backward
+    first (all of them until the step is metered: NOTE [metered fallback])."""
+
+    def __init__(self, module: nn.Module, layers: list[nn.Module]):
+        self.module, self.layers, self.count = module, layers, len(layers)
+        self.order = list(range(len(layers)))  # the layers to checkpoint first, first
+        self._saved: list[int] | None = None  # while recording: bytes each layer's forward saves for backward
+
+    @property
+    def checkpointed(self) -> frozenset[int]:
+        return frozenset(self.order[:self.count])
+
+    def __call__(self, args: tuple, kwargs: dict):
+        layers = [layer for i, layer in enumerate(self.layers) if i in self.checkpointed]
+        with checkpointed_layers(layers), self._recording():
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def ordered_by_saved_bytes(self) -> Iterator[None]:
+        """Inside, a run with no layer checkpointed counts what each layer's forward saves for backward
+        (activations, not parameters); on exit :attr:`order` puts the layers saving the most first."""
+        self._saved = [0] * len(self.layers)
+        try:
+            yield
+            saved = self._saved
+            self.order = sorted(range(len(self.layers)), key=lambda i: -saved[i])
+        finally:
+            self._saved = None
+
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        saved = self._saved
+        if saved is None or self.count:
+            yield
+            return
+        current: list[int] = []
+        seen: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if current and not isinstance(t, nn.Parameter) and t.device.type != "meta":
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    saved[current[-1]] += t.untyped_storage().nbytes()
+            return t
+
+        def enter(index: int):
+            def hook(module: nn.Module, args: tuple) -> None:
+                current.append(index)
+            return hook
+
+        def leave(module: nn.Module, args: tuple, out) -> None:  # a hook returning a value replaces the output
+            current.pop()
+
+        hooks = [h for i, layer in enumerate(self.layers)
+                 for h in (layer.register_forward_pre_hook(enter(i)), layer.register_forward_hook(leave))]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+
+
 def fallback_plan(reason: str, chains: list[tuple[str, list[nn.Module]]], budget_bytes: int, signature: str) -> Plan:
     """A plan that records the fallback; memory figures are unknown (-1) without a graph."""
     names = " and ".join(repr(name) for name, _ in chains)
     n_layers = sum(len(layers) for _, layers in chains)
     log.warning(
-        "remat_plugin: %s; falling back to checkpointing each of the %d layers of %s. "
-        "Without a graph the budget of %d bytes cannot be verified.", reason, n_layers, names, budget_bytes,
+        "remat_plugin: %s; falling back to checkpointing the %d layers of %s. Without a graph there is no "
+        "memory model: a metered step before the first call chooses how many are checkpointed under the budget of "
+        "%d bytes.", reason, n_layers, names, budget_bytes,
     )
     return Plan(
         budget_bytes=budget_bytes, margin_bytes=0, predicted_peak_bytes=-1, predicted_time_ms=-1.0,

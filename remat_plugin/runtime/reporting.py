@@ -36,8 +36,8 @@ def summary_line(plan: Plan, model: str, *, elapsed_s: float = 0.0, loaded_from:
     inputs = describe(plan.signature)
     if plan.fallback:  # "<why capture failed>; per-layer checkpointing of ...": the why is already a warning
         instead = plan.fallback.rpartition("; ")[2]
-        return (f"remat_plugin: {model} on {inputs} could not be captured (see the warning): {instead}; the "
-                f"{human_bytes(plan.budget_bytes)} budget is not verified")
+        return (f"remat_plugin: {model} on {inputs} could not be captured (see the warning): {instead}; a metered "
+                f"step chooses how many are checkpointed under the {human_bytes(plan.budget_bytes)} budget")
     how = f"loaded the plan of {model} for {inputs} from {loaded_from}" if loaded_from is not None \
         else f"planned {model} for {inputs} in {elapsed_s:.1f} s"
     fits = f"predicted peak {human_bytes(plan.predicted_peak_bytes)} under a {human_bytes(plan.budget_bytes)} budget"

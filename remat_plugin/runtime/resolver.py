@@ -97,7 +97,7 @@ from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CallsInFlightError, CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak
 from remat_plugin.runtime import dist
-from remat_plugin.runtime.calibration import Calibration, metered_step
+from remat_plugin.runtime.calibration import Calibration, metered_step, size_fallback
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.reporting import announce, summary_line
 from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs, describe, python_values
@@ -486,7 +486,11 @@ class StepResolver:
         return to_free, without_gradient
 
     def _calibrated_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
-        """``step`` once metered, or the plan its metering called for (NOTE [calibration])."""
+        """``step`` once metered, or the plan its metering called for (NOTE [calibration]); a fallback step's
+        layers checkpointed as metering chose (NOTE [metered fallback])."""
+        if step.to_meter and step.plan is not None and step.plan.fallback and not profiler_active():
+            step.to_meter = False
+            self.size_fallback(call, step, lambda: metered_step(self.module, step, call))
         while step.to_meter and step.checked and step.problem is not None and not profiler_active():
             step.to_meter = False  # a caller's profiler defers metering to a later call: sessions do not nest
             plan, measured = step.plan, metered_step(self.module, step, call)
@@ -498,6 +502,17 @@ class StepResolver:
             step = self.steps[call.key] = replanned
         self.latest = step
         return step
+
+    def size_fallback(self, call: Call, step: PlannedStep, meter: Callable[[], int | None]) -> None:
+        """Checkpoint as many of a fallback step's layers as ``meter()``'s peaks call for (NOTE [metered fallback]);
+        the plan stored for these shapes becomes the sized one."""
+        said = size_fallback(type(self.module).__name__, step, call, meter)
+        if said is None:
+            return
+        if call.key in self.store.plans and step.plan is not None:
+            self.store.add(call.key, step.plan)
+        if self.verbose:
+            self.report(said)
 
     def _resolve_now(self, call: Call, budget: BudgetFn, dropped: frozenset[int], ungraded: frozenset[int]) -> PlannedStep:
         """A new plan of these shapes, made before the call runs (a calibration correction)."""

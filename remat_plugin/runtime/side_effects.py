@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from remat_plugin.capture.host_random import HostDraws
+
 
 @contextlib.contextmanager
 def restored_buffers(module: nn.Module) -> Iterator[None]:
@@ -34,7 +36,8 @@ def restored_inputs(inputs: Sequence[torch.Tensor]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def unobserved(module: nn.Module, device: torch.device, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
-    """Neither ``module``'s buffers, nor the generator stream of ``device`` (and the CPU), nor ``inputs`` move."""
+    """Neither ``module``'s buffers, nor the generator stream of ``device`` (and the CPU), nor Python's and NumPy's
+    global generators (a fallback's forward runs as written: NOTE [host random draws]), nor ``inputs`` move."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module), \
-            restored_inputs(inputs):
+            restored_inputs(inputs), HostDraws().restored():
         yield

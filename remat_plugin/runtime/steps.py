@@ -35,7 +35,7 @@ from remat_plugin.ir.plan import Plan, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import InvalidScheduleError, simulate
 from remat_plugin.planning.choose_plan import PlannerCache, make_plan
-from remat_plugin.runtime.fallback import checkpointed_layers, fallback_plan
+from remat_plugin.runtime.fallback import CheckpointedRun, fallback_plan
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.torch_private import pytree, suspended_user_modes
@@ -222,28 +222,21 @@ def _fallback(module: nn.Module, err: CaptureError, budget_bytes: int,
     if not chains:
         raise CaptureError(f"{err} (and no list of repeated layers to fall back on)") from err
     step.plan = fallback_plan(str(err), chains, budget_bytes, step.signature_key)
-    return _checkpointed_run(module, [layer for _, layers in chains for layer in layers])
+    step.to_meter = True  # NOTE [metered fallback]
+    return CheckpointedRun(module, [layer for _, layers in chains for layer in layers])
 
 
 def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
-    """The step of a fallback ``plan`` made elsewhere (rank 0, a larger bucket): per-layer checkpointing, no capture."""
+    """The step of a fallback ``plan`` made elsewhere (rank 0, a larger bucket): per-layer checkpointing, no
+    capture."""
     chains = find_layer_chains(module)
     if not chains:
         raise CaptureError(f"remat_plugin.runtime: the plan is a fallback ({plan.fallback}), but "
                            f"{type(module).__name__} has no list of repeated layers here to checkpoint")
     layers = [layer for _, chain in chains for layer in chain]
-    return PlannedStep(run=_checkpointed_run(module, layers), signature_key=call.key, plan=plan, checked=True,
-                       tensor_ids=call.tensor_ids)
-
-
-def _checkpointed_run(module: nn.Module, layers: list[nn.Module]) -> Callable[[tuple, dict], Any]:
-    """The module's own forward with each of ``layers`` checkpointed."""
-
-    def run(args: tuple, kwargs: dict):
-        with checkpointed_layers(layers):
-            return module(*args, **kwargs)
-
-    return run
+    # metered before its first call (NOTE [metered fallback]): these shapes may not be those ``plan`` was sized on
+    return PlannedStep(run=CheckpointedRun(module, layers), signature_key=call.key, plan=plan, checked=True,
+                       tensor_ids=call.tensor_ids, to_meter=True)
 
 
 def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,

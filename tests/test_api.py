@@ -375,6 +375,33 @@ def test_a_branch_on_a_size_from_an_argument_s_values_names_the_argument_with_th
         rematerialize(_KeepsTheLabelledRows(), (x,), {"labels": labels}, budget=10**9)
 
 
+def _attend(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """A library helper with its own ``attention_mask``, built from values (Pixtral's vision attention)."""
+    n = sizes.sum().item()  # a size export holds unbacked
+    attention_mask = torch.ones(n, n)
+    if attention_mask.shape[0] > 1:  # export fails here, on a line that reads the helper's own attention_mask
+        x = x * 2
+    return x
+
+
+class _OwnMaskInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 5)
+
+    def forward(self, x, attention_mask, sizes):
+        return _attend(self.linear(x), sizes) * attention_mask[:, :1]
+
+
+def test_a_library_s_own_local_of_an_argument_s_name_is_not_blamed():
+    """The failing line reads an ``attention_mask`` of its own, not the caller's (another size): the error does not
+    tell the caller to drop their ``attention_mask``."""
+    x, mask, sizes = torch.randn(4, 8), torch.ones(4, 6), torch.tensor([2, 3])
+    with pytest.raises(CaptureError) as refused:
+        rematerialize(_OwnMaskInside(), (x,), {"attention_mask": mask, "sizes": sizes}, budget=10**9)
+    assert "test_api.py" in str(refused.value) and "values of 'attention_mask'" not in str(refused.value)
+
+
 def test_a_failing_torch_nn_line_is_named_with_the_fix():
     """A model that fails inside a torch.nn module gets that module's line beside its own, and BatchNorm's
     cumulative average (momentum=None, a buffer's value read every step) gets the fix."""

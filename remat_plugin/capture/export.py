@@ -114,6 +114,17 @@ def _enclosing_lines(filename: str, lineno: int) -> list[str]:
     return headers
 
 
+def _may_be_the_argument(local: object, argument: torch.Tensor) -> bool:
+    """Whether a value the failing frame holds under an argument's name may be that argument (export runs on fake
+    copies of it, of its sizes and dtype): a library's own local of the same name is not (Pixtral's vision
+    attention builds its own ``attention_mask`` from the image sizes)."""
+    if not isinstance(local, torch.Tensor):
+        return True  # not a local tensor there: read from elsewhere in that line, by the name the regex found
+    sizes = tuple(local.shape)  # a size export holds symbolic (not an int) is no argument's: theirs are static
+    return local.dtype == argument.dtype and len(sizes) == argument.dim() and \
+        all(type(a) is int and a == b for a, b in zip(sizes, argument.shape))
+
+
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
@@ -179,11 +190,14 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
         elif data_dependent:
             blocks = _enclosing_lines(user[-1].f_code.co_filename, user[-1].f_lineno) if user else []
             read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
-                    and any(re.search(rf"\b{re.escape(name)}\b", text) for text in [line, *blocks])]
+                    and any(re.search(rf"\b{re.escape(name)}\b", text) for text in [line, *blocks])
+                    and _may_be_the_argument(user[-1].f_locals.get(name), value)]
             if read:
                 which = "that line" if re.search(rf"\b{re.escape(read[0])}\b", line) else "the block that line is in"
-                hint = (f" ({which} reads the values of {read[0]!r}, which a traced graph cannot depend on: call the "
-                        f"model without {read[0]}=... and compute what needs it, such as the loss, from its outputs)")
+                hint = (f" ({which} reads the values of {read[0]!r}, which a traced graph cannot depend on: where it "
+                        f"feeds only the loss, call the model without {read[0]}=... and compute the loss from its "
+                        "outputs; an input that sizes the model's work (image sizes, a count of images) keeps the "
+                        "model unplanned)")
             elif _eager_experts(user[-1] if user else None):
                 hint = (" (transformers' eager experts loop over the experts a batch routes to, a data-dependent "
                         "count: build the model with experts_implementation=\"grouped_mm\" or \"batched_mm\", "

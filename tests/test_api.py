@@ -557,6 +557,31 @@ def test_the_fallback_meters_how_many_layers_it_checkpoints():
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
 
 
+def test_the_fallback_is_metered_under_autocast_as_the_caller_s_step_runs():
+    """Under bf16 autocast the caller's step casts the weights afresh, after the metered steps (NOTE [metered
+    fallback]): its measured peak is at most the metered one, within the budget.  Metering in one autocast cache
+    counted the casts in the first metered step only, so the chosen step measured above its prediction."""
+    from remat_plugin.capture.memory_meter import measure_peak_profiler
+
+    torch.manual_seed(0)
+    model = _TowerAndLayers()
+    image, text = torch.randn(256, 64), torch.randn(8, 64)
+
+    def step(m) -> None:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = m(image, text)
+        loss.backward()
+
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        step(rematerialize(model, (image, text), budget=2**20, verbose=False))
+    rm = rematerialize(model, (image, text), budget=refused.value.min_feasible_bytes + 2**19, verbose=False)
+    step(rm)  # metered, then run
+    model.zero_grad(set_to_none=True)
+    peak = measure_peak_profiler(lambda: step(rm))[1]
+    assert any(b.mode == "checkpoint" for b in rm.plan.blocks)
+    assert peak <= rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes, (peak, rm.plan)
+
+
 class _SelectsByMask(nn.Module):
     """Boolean-mask selection (``h[mask]``): torch.export holds its size unbacked, AOTAutograd's trace at fixed sizes
     cannot (NOTE [untraceable graphs])."""

@@ -118,9 +118,17 @@ def size_fallback(model: str, step: PlannedStep, call: Call, meter: Callable[[],
                     "again. Every one of its %d layers is checkpointed, the budget of %s not verified", model,
                     ", ".join(hooks[:3]) + (", ..." if len(hooks) > 3 else ""), n, human_bytes(plan.budget_bytes))
         return None
+
+    def metered() -> int | None:  # each from autocast's cast cache empty, as the caller's step after them starts
+        torch.clear_autocast_cache()
+        try:
+            return meter()
+        finally:
+            torch.clear_autocast_cache()
+
     run.count = 0
     with run.ordered_by_saved_bytes():
-        unmodified = meter()
+        unmodified = metered()
     if unmodified is None:
         run.count = n
         log.warning("remat_plugin: the fallback step of %s could not be metered; every one of its %d layers is "
@@ -129,7 +137,7 @@ def size_fallback(model: str, step: PlannedStep, call: Call, meter: Callable[[],
     peaks = {0: unmodified}
     if unmodified > usable:
         run.count = n
-        every = meter()
+        every = metered()
         peaks[n] = every if every is not None else unmodified
         if peaks[n] > usable:
             raise InfeasibleBudgetError(plan.budget_bytes, budget_for_peak(peaks[n]),
@@ -141,7 +149,7 @@ def size_fallback(model: str, step: PlannedStep, call: Call, meter: Callable[[],
                 break
             share = (peaks[over] - usable) / max(peaks[over] - peaks[within], 1)  # along the line between the two
             run.count = min(max(over + int(-(-(within - over) * share // 1)), over + 1), within - 1)
-            peak = meter()
+            peak = metered()
             if peak is None:
                 break
             peaks[run.count] = peak

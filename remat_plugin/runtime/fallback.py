@@ -21,7 +21,10 @@ NOTE [metered fallback]
     model's layers run on fewer tokens.  A step that cannot be metered (no output carries a gradient), or a
     model with hooks (NOTE [module hooks]), which a metered step would run again, checkpoints every layer,
     unverified, as a warning says.  The metered steps run the forward's Python: side effects outside buffers and
-    the random streams (a counter kept in a plain attribute) happen once more per metered step.
+    the random streams (a counter kept in a plain attribute) happen once more per metered step.  Under autocast
+    each metered step starts and ends with autocast's cast cache cleared: the first one's casts of the weights,
+    cached for the rest of the caller's autocast block, made the later ones (and the caller's step) look 10%
+    lighter than they are (ELECTRA under bf16 autocast: 0.29 MiB metered, 0.33 MiB measured).
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ NOTE [metered fallback]
     is metered at the allocator, unobserved.  Within the budget's usable part, nothing is checkpointed (no
     recomputation for nothing).  Else one with every layer checkpointed is metered: above the budget,
     :class:`~remat_plugin.errors.InfeasibleBudgetError` names the measured peak before the caller's step runs;
-    within it, the first ``k`` layers are checkpointed, ``k`` read off the line between the two peaks, and
-    metered in turn (up to :data:`MAX_SIZINGS` times, then all layers).  The plan records what was chosen
+    within it, ``k`` layers are checkpointed, ``k`` read off the line between the two peaks, and metered in
+    turn (up to :data:`~remat_plugin.runtime.calibration.MAX_SIZINGS` times, then all layers).  The plan records what was chosen
     (``blocks``: "checkpoint" or "keep" per layer) and the peaks measured.  The layers saving the most for
     backward (counted in the first metered step) are checkpointed first: a vision tower's before a language
     model's layers run on fewer tokens.  A step that cannot be metered (no output carries a gradient), or a
@@ -78,7 +78,8 @@ class CheckpointedRun:
         return frozenset(self.order[:self.count])
 
     def __call__(self, args: tuple, kwargs: dict):
-        layers = [layer for i, layer in enumerate(self.layers) if i in self.checkpointed]
+        chosen = self.checkpointed
+        layers = [layer for i, layer in enumerate(self.layers) if i in chosen]
         with checkpointed_layers(layers), self._recording():
             return self.module(*args, **kwargs)
 
@@ -104,11 +105,15 @@ class CheckpointedRun:
         seen: set[int] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if current and not isinstance(t, nn.Parameter) and t.device.type != "meta":
-                key = t.untyped_storage().data_ptr()
-                if key not in seen:
-                    seen.add(key)
-                    saved[current[-1]] += t.untyped_storage().nbytes()
+            if not current or isinstance(t, nn.Parameter) or t.device.type == "meta":
+                return t
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own (sparse, a subclass)
+                return t
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                saved[current[-1]] += storage.nbytes()
             return t
 
         def enter(index: int):

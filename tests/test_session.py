@@ -247,3 +247,37 @@ def test_a_changing_python_argument_is_told_at_its_second_value(caplog):
     message = told[-1][0]
     assert "kwargs['scale'] (0.5, first 1.0)" in message and "torch.tensor" in message
     assert session.n_solved == 3  # one plan per value: what the warning is about
+
+
+class _NeedsAnImageToken(torch.nn.Module):
+    """Raises on a batch without its image token, as a vision-language model does (SmolVLM: "Image features and
+    image tokens do not match"), and selects by a boolean mask (exported, but no graph: the fallback)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(3))
+
+    def forward(self, ids):
+        torch._check_tensor_all_with(ValueError, (ids == 5).any(), lambda: "image tokens do not match: 0")
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h.square().mean() + h[h > 0].sum()
+
+
+def test_a_model_refusing_its_bucket_s_padding_is_planned_at_its_own_shapes(caplog):
+    """The bucket's zero padding holds no image token: the model raises on it, and the call used to fail with that
+    error; its exact shapes are planned instead, the bucket tried once."""
+    torch.manual_seed(0)
+    model = _NeedsAnImageToken()
+    session = RematSession(model, RematConfig(budget=10**9, ilp_time_limit_s=0.2))
+    model.forward = session.dispatcher(model.forward)
+    with caplog.at_level(logging.INFO, logger="remat_plugin"):
+        for length in (37, 41):  # both in the bucket of 64
+            ids = torch.randint(6, 16, (2, length))
+            ids[:, 3] = 5
+            model(ids).backward()
+    assert session.plan is not None and session.plan.fallback
+    assert sum("could not be planned (ValueError: image tokens do not match" in r.getMessage()
+               for r in caplog.records) == 1

@@ -209,6 +209,7 @@ class StepResolver:
         self.n_replayed = 0  # steps built from a known plan
         self.n_refined = 0  # plans solved again with the outputs the caller drops freed (NOTE [output usage])
         self._refined: set[str] = set()  # signature keys re-planned for their output usage
+        self._unplannable_buckets: set[str] = set()  # bucket keys whose padded inputs the model refused
         self.calibration = Calibration()
         # Under several ranks a first plan steps down only when every rank will run it (NOTE [loss-only first plan]):
         # while rank 0 plans for all of them (planning_for_every_rank), never for a rank planning its own shapes.
@@ -314,14 +315,19 @@ class StepResolver:
             if self.verbose:
                 self.report(summary_line(stored, type(self.module).__name__, loaded_from=self.store.cache_dir))
             return stored, None
-        if changed:
+        if changed and bucket.key not in self._unplannable_buckets:
             try:
                 solved = self.solve(bucket, budget_bytes, now=True)
                 assert solved.plan is not None
                 return solved.plan, None
-            except (CaptureError, InfeasibleBudgetError, RuntimeError) as exc:
-                log.info("remat_plugin: bucket %s could not be planned (%s); planning the exact shapes",
-                         bucket.key[:120], str(exc).splitlines()[0][:200])
+            except Exception as exc:  # the model may refuse the padded inputs in any way
+                if isinstance(exc, RematError) and not isinstance(exc, (CaptureError, InfeasibleBudgetError)):
+                    raise
+                # The padding is zeros: a vision-language model finds no image tokens in them and raises, a tensor
+                # of image sizes padded as if it were a sequence breaks its reader. Each shape is planned as it is.
+                self._unplannable_buckets.add(bucket.key)
+                log.info("remat_plugin: bucket %s could not be planned (%s: %s); planning the exact shapes",
+                         bucket.key[:120], type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
         step = self.solve(call, budget_bytes)
         return step.plan, step  # type: ignore[return-value]  # None only while a lazy plan awaits its call
 

@@ -89,3 +89,49 @@ def test_a_dropout_probability_changed_mid_run_takes_effect():
     ours, _, _ = _run(options, budget, callbacks=[DropoutTo(2, 0.05)])
     assert ours.losses == plain.losses
     assert max(ours.peaks) <= budget, (ours.peaks, budget)
+
+
+class _TowerModule(pl.LightningModule):
+    """A model torch.export cannot capture (a branch on a value), a dropout in its tower: the metered fallback."""
+
+    def __init__(self):
+        super().__init__()
+        from test_api import _TowerAndLayers
+
+        torch.manual_seed(0)
+        self.model = _TowerAndLayers()
+        for block in self.model.tower:
+            block.insert(2, torch.nn.Dropout(0.1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, index):
+        loss = self.model(batch[0][0], batch[1][0])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_model_without_a_graph_fits_with_the_losses_of_the_run_without_remat(precision):
+    """NOTE [metered fallback] in ``Trainer.fit``: the step metered under the precision's autocast checkpoints some
+    layers, its measured peak within the budget, and every loss (dropout on) equals the run without AutoRemat."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 256, 64, generator=g), torch.randn(4, 8, 64, generator=g))
+
+    def fit(callbacks):
+        module = _TowerModule()
+        torch.manual_seed(1)
+        trainer = pl.Trainer(max_steps=4, precision=precision, callbacks=callbacks, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             accelerator="cpu", devices=1)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=1))
+        return module.losses
+
+    budget = int(5.6 * 2**20)  # below the unmodified step (8.9 and 6.1 MiB), above every layer checkpointed
+    auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2, module="model", verbose=False)
+    assert fit([auto]) == fit([])
+    plan = auto.session.plan
+    assert plan.fallback and 0 < sum(b.mode == "checkpoint" for b in plan.blocks) < 8
+    assert 0 < plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes, plan.table()

@@ -48,8 +48,8 @@ def _launch(tmp: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
 def test_fallback_plan_is_agreed_and_run_alike_under_accelerate_launch(tmp_path):
     """An uncapturable model: rank 0's fallback plan is rank 1's too, both meter it alike and, with the budget's
     room, checkpoint no layer (NOTE [metered fallback]), and each rank's losses and the synchronised weights equal
-    those of the same model trained without remat.  A last step where rank 1 sees other shapes: rank 1 plans its
-    own fallback, the same again."""
+    those of the same model trained without remat.  A last step where rank 1 sees a larger batch, which no plan
+    covers: rank 1 plans its own fallback, the same again."""
     proc, _ = _launch(tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"out.rank{r}.json").read_text()) for r in (0, 1))

@@ -281,3 +281,49 @@ def test_a_model_refusing_its_bucket_s_padding_is_planned_at_its_own_shapes(capl
     assert session.plan is not None and session.plan.fallback
     assert sum("could not be planned (ValueError: image tokens do not match" in r.getMessage()
                for r in caplog.records) == 1
+
+
+class _BranchyTokens(torch.nn.Module):
+    """Token ids in, a branch on a value (no graph: the metered fallback), 512-wide layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 64)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 64)) for _ in range(4))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if h.mean() > 10:
+            h = h * 2
+        for layer in self.layers:
+            h = h + layer(h)
+        return h.square().mean()
+
+
+def test_a_metered_fallback_serves_the_calls_of_its_bucket(caplog):
+    """NOTE [metered fallback] with buckets: the bucket's padded step is metered once, and shorter calls in it run
+    its choice with no new export or metering, each within the budget and bitwise the unmodified model's."""
+    import copy
+
+    from remat_plugin.capture.memory_meter import measure_peak_profiler
+
+    torch.manual_seed(0)
+    model = _BranchyTokens().double()
+    reference = copy.deepcopy(model)
+    budget = 12 * 2**20  # 8x64 tokens: the unmodified step measures 19.5 MiB, every layer checkpointed 5.6 MiB
+    session = RematSession(model, RematConfig(budget=budget, ilp_time_limit_s=0.2))
+    model.forward = session.dispatcher(model.forward)
+    with caplog.at_level(logging.INFO, logger="remat_plugin"):
+        for length in (37, 41, 50, 64):  # all in the bucket of 64
+            ids = torch.randint(0, 16, (8, length))
+            for m in (model, reference):
+                m.zero_grad(set_to_none=True)
+                m(ids).backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+            model.zero_grad(set_to_none=True)
+            assert measure_peak_profiler(lambda ids=ids: model(ids).backward())[1] <= budget, length
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("fallback checkpoints" in m for m in said) == 1, said  # metered once, at 8x64
+    assert sum("could not capture" in m for m in said) == 1, said  # exported once, not per length
+    assert 0 < sum(b.mode == "checkpoint" for b in session.plan.blocks) <= 4

@@ -140,6 +140,9 @@ class RankAgreement:
         while call.key in self._to_meter:
             plan = self._agreed[call.key]
             if plan.fallback:  # NOTE [metered fallback]: every rank meters, the highest peak decides alike
+                if not any(dist.all_gather(step.to_meter)):  # rank 0 metered the bucket's plan every rank runs
+                    self._to_meter.discard(call.key)
+                    return step
                 if any(dist.all_gather(profiler_active())):
                     return step
                 self._to_meter.discard(call.key)

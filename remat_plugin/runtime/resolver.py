@@ -319,6 +319,10 @@ class StepResolver:
             try:
                 solved = self.solve(bucket, budget_bytes, now=True)
                 assert solved.plan is not None
+                if solved.plan.fallback and solved.to_meter:  # metered once at the bucket's shapes, for its calls
+                    solved.to_meter = False
+                    self.size_fallback(bucket, solved, lambda: metered_step(self.module, solved, bucket))
+                    assert solved.plan is not None
                 return solved.plan, None
             except Exception as exc:  # the model may refuse the padded inputs in any way
                 if isinstance(exc, RematError) and not isinstance(exc, (CaptureError, InfeasibleBudgetError)):

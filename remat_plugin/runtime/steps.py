@@ -233,10 +233,16 @@ def fallback_step(module: nn.Module, call: Call, plan: Plan) -> PlannedStep:
     if not chains:
         raise CaptureError(f"remat_plugin.runtime: the plan is a fallback ({plan.fallback}), but "
                            f"{type(module).__name__} has no list of repeated layers here to checkpoint")
-    layers = [layer for _, chain in chains for layer in chain]
-    # metered before its first call (NOTE [metered fallback]): these shapes may not be those ``plan`` was sized on
-    return PlannedStep(run=CheckpointedRun(module, layers), signature_key=call.key, plan=plan, checked=True,
-                       tensor_ids=call.tensor_ids, to_meter=True)
+    run = CheckpointedRun(module, [layer for _, chain in chains for layer in chain])
+    # NOTE [metered fallback]: a plan metered at the shapes of a bucket covering this call checkpoints the layers
+    # it chose; one not metered yet is metered before this step's first call
+    sized = plan.predicted_peak_bytes >= 0 and len(plan.blocks) == len(run.layers)
+    if sized:
+        chosen = [b.index for b in plan.blocks if b.mode == "checkpoint"]
+        run.order = chosen + [i for i in range(len(run.layers)) if i not in chosen]
+        run.count = len(chosen)
+    return PlannedStep(run=run, signature_key=call.key, plan=plan, checked=True, tensor_ids=call.tensor_ids,
+                       to_meter=not sized)
 
 
 def replay_step(module: nn.Module, call: Call, plan: Plan, budget_bytes: int,

@@ -47,11 +47,12 @@ class PlanStore:
         self.plans[key] = plan
 
     def covering(self, signature: Signature, budget_bytes: int) -> list[Plan]:
-        """Known graph plans that serve ``signature`` within ``budget_bytes``, tightest bucket first."""
+        """Known plans that serve ``signature`` within ``budget_bytes``, tightest bucket first: graph plans, and
+        fallbacks once metered (NOTE [metered fallback]: a shorter call needs no more than its bucket measured)."""
         found = []
         for key, plan in self.plans.items():
             bucket = Signature.from_key(key)
-            if bucket.covers(signature) and not plan.fallback and plan.predicted_peak_bytes <= budget_bytes:
+            if bucket.covers(signature) and 0 <= plan.predicted_peak_bytes <= budget_bytes:
                 found.append((bucket.volume, key, plan))
         return [plan for _, _, plan in sorted(found, key=lambda f: (f[0], f[1]))]
 

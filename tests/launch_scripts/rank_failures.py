@@ -10,7 +10,7 @@ as the oracle.  ``--inject WHERE`` makes one rank raise ``RuntimeError(MESSAGE)`
 - ``budget``: rank 1, while it computes its budget;
 - ``own``: rank 1, while it plans its own shapes in the last step (see below).
 
-After the agreed steps, one more step has rank 1 train on half a batch: the ranks see
+After the agreed steps, one more step has rank 1 train on a doubled batch, which no plan covers: the ranks see
 different shapes, so rank 1 plans its own (rank 0 has a step for its shapes).
 
 A rank whose training raises writes ``OUT.rank<N>.raised.json`` (seconds into training, ``time.time()``, the

@@ -1,5 +1,6 @@
 """rematerialize() against plain PyTorch as the oracle: outputs, gradients, buffers, memory, errors."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -580,6 +581,52 @@ def test_the_fallback_is_metered_under_autocast_as_the_caller_s_step_runs():
     peak = measure_peak_profiler(lambda: step(rm))[1]
     assert any(b.mode == "checkpoint" for b in rm.plan.blocks)
     assert peak <= rm.plan.predicted_peak_bytes <= rm.plan.budget_bytes, (peak, rm.plan)
+
+
+class _TowerWithLogits(_TowerAndLayers):
+    """Also returns 4 MiB of logits beside the loss, as a language model's output does."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(64, 2048)
+
+    def forward(self, image, text):
+        if image.mean() > 10:
+            image = image * 2
+        for block in self.tower:
+            image = image + block(image)
+        logits = self.head(image)
+        return nn.functional.log_softmax(logits, -1).mean() + super().forward(image, text), logits
+
+
+def test_the_fallback_is_metered_again_for_the_outputs_its_caller_frees_or_holds(caplog):
+    """NOTE [metered fallback]: metered holding every output, then, once the loop shows it keeps only the loss,
+    again with the logits freed (a lower peak for the same budget); a step holding them afterwards is warned
+    about and the step metered again with them held, for good.  Gradients are eager's throughout."""
+    from remat_plugin.capture.memory_meter import measure_peak_profiler
+
+    torch.manual_seed(0)
+    model = _TowerWithLogits().double()
+    ref = copy.deepcopy(model)
+    image, text = torch.randn(256, 64, dtype=torch.float64), torch.randn(8, 64, dtype=torch.float64)
+    budget = 24 * 2**20  # unmodified 31 MiB holding the logits
+    rm = rematerialize(model, (image, text), budget=budget, verbose=False)
+    metered = []
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for hold in (False, False, False, True, False, False):
+            for m in (rm, ref):
+                m.zero_grad(set_to_none=True)
+                out = m(image, text)
+                loss, _held = out if hold else (out[0], None)  # the logits alive through backward, or not
+                del out
+                loss.backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+            metered.append((rm.plan.dropped_outputs, rm.plan.predicted_peak_bytes))
+    assert metered[0][0] == () and metered[1][0] == (1,) and metered[1][1] < metered[0][1], metered
+    assert metered[4] == metered[5] == metered[0], metered  # held at step 3: metered again with them held
+    assert caplog.text.count("held output(s) [1] (4.00 MiB) through backward, which its metering had freed") == 1
+    model.zero_grad(set_to_none=True)
+    assert measure_peak_profiler(lambda: rm(image, text)[0].backward())[1] <= budget
 
 
 class _SelectsByMask(nn.Module):

@@ -18,7 +18,12 @@ NOTE [metered fallback]
     turn (up to :data:`~remat_plugin.runtime.calibration.MAX_SIZINGS` times, then all layers).  The plan records what was chosen
     (``blocks``: "checkpoint" or "keep" per layer) and the peaks measured.  The layers saving the most for
     backward (counted in the first metered step) are checkpointed first: a vision tower's before a language
-    model's layers run on fewer tokens.  A step that cannot be metered (no output carries a gradient), or a
+    model's layers run on fewer tokens.  The metered steps hold every output through backward, as a caller
+    that keeps them does; the step watches, as each backward begins, which outputs the caller still holds (by
+    weak reference), and in one process a caller that freed some (``loss = model(...).loss`` frees the logits)
+    has the step metered again without them, once; one that later holds an output the metering freed is warned
+    (that step may have gone over by its size) and the step is metered again with it held.  A step that
+    cannot be metered (no output carries a gradient), or a
     model with hooks (NOTE [module hooks]), which a metered step would run again, checkpoints every layer,
     unverified, as a warning says.  The metered steps run the forward's Python: side effects outside buffers and
     the random streams (a counter kept in a plain attribute) happen once more per metered step.  Under autocast
@@ -30,16 +35,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat_plugin.capture.forward_swap import swapped_forwards
+from remat_plugin.capture.output_usage import OutputUsage
 from remat_plugin.ir.plan import BlockChoice, Plan
 from remat_plugin.runtime.side_effects import restored_buffers
-from remat_plugin.torch_private import in_backward
+from remat_plugin.torch_private import in_backward, pytree
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +79,7 @@ class CheckpointedRun:
     def __init__(self, module: nn.Module, layers: list[nn.Module]):
         self.module, self.layers, self.count = module, layers, len(layers)
         self.order = list(range(len(layers)))  # the layers to checkpoint first, first
+        self.usage: OutputUsage | None = None  # what the caller held as the latest call's backward began
         self._saved: list[int] | None = None  # while recording: bytes each layer's forward saves for backward
 
     @property
@@ -81,7 +90,28 @@ class CheckpointedRun:
         chosen = self.checkpointed
         layers = [layer for i, layer in enumerate(self.layers) if i in chosen]
         with checkpointed_layers(layers), self._recording():
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._watch(output)
+        return output
+
+    def _watch(self, output: Any) -> None:
+        """As the backward of the loss (the first scalar output with a gradient) begins, :attr:`usage` records
+        which outputs the caller still holds, by weak reference (NOTE [metered fallback]); read with
+        :meth:`~remat_plugin.runtime.steps.PlannedStep.take_usage`."""
+        leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        root = next((i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point() and t.numel() == 1),
+                    None)
+        if root is None:
+            return
+        refs = [weakref.ref(t._base if t._base is not None else t) for t in leaves]
+        sizes = tuple(t.nbytes for t in leaves)
+
+        def backward_starts(grad: torch.Tensor) -> None:
+            held = frozenset(i for i, ref in enumerate(refs) if ref() is not None) | {root}
+            self.usage = OutputUsage(len(refs), held, frozenset({root}), output_bytes=sizes)
+
+        leaves[root].register_hook(backward_starts)
 
     @contextlib.contextmanager
     def ordered_by_saved_bytes(self) -> Iterator[None]:

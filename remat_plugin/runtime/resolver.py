@@ -435,7 +435,9 @@ class StepResolver:
         """``step``, or a new plan of its shapes when the previous call used its outputs otherwise than planned
         (NOTE [output usage])."""
         usage = step.take_usage()
-        if step.plan is None or step.plan.fallback:
+        if step.plan is not None and step.plan.fallback:
+            return self._fallback_for_usage(call, step, usage)
+        if step.plan is None:
             return step
         if usage is not None and usage.backward_autocast != self.execution.backward_autocast:
             return self._rebuilt_for_backward_autocast(call, usage.backward_autocast, budget)
@@ -445,6 +447,28 @@ class StepResolver:
         dropped, ungraded = outputs
         step = self.steps[call.key] = self.solve(call, budget(), dropped_outputs=dropped, ungraded_outputs=ungraded,
                                                  refine=True)
+        return step
+
+    def _fallback_for_usage(self, call: Call, step: PlannedStep, usage: OutputUsage | None) -> PlannedStep:
+        """A metered fallback metered again for the outputs its caller frees before backward (once), or holds where
+        the metering freed them (NOTE [metered fallback]); several ranks keep every output held."""
+        plan = step.plan
+        assert plan is not None
+        if usage is None or plan.predicted_peak_bytes < 0 or dist.world_size() > 1:
+            return step
+        metered_without = frozenset(plan.dropped_outputs)
+        dropped = usage.dropped
+        now_held = metered_without - dropped
+        if now_held:
+            log.warning("remat_plugin: the step of %s held output(s) %s (%s) through backward, which its metering had "
+                        "freed; this step may have exceeded the budget by up to that much. Metering it again with "
+                        "them held", type(self.module).__name__, sorted(now_held),
+                        human_bytes(sum(usage.output_bytes[i] for i in now_held)))
+        elif dropped == metered_without or call.key in self._refined:
+            return step
+        self._refined.add(call.key)
+        step.plan = dataclasses.replace(plan, dropped_outputs=tuple(sorted(dropped)))
+        step.to_meter = True
         return step
 
     def _rebuilt_for_backward_autocast(self, call: Call, inside: bool, budget: BudgetFn) -> PlannedStep:

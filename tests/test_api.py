@@ -632,6 +632,34 @@ def test_the_fallback_is_metered_again_for_the_outputs_its_caller_frees_or_holds
     assert measure_peak_profiler(lambda: rm(image, text)[0].backward())[1] <= budget
 
 
+class _TowerSelectingByMask(_TowerAndLayers):
+    """Exported, but its boolean-mask selection fails at the trace: the fallback is made inside the first call."""
+
+    def forward(self, image, text):
+        for block in self.tower:
+            image = image + block(image)
+        text = text + image[image[:, 0] > 0].mean(0)
+        for layer in self.layers:
+            text = text + layer(text)
+        return text.square().mean()
+
+
+def test_a_fallback_made_inside_the_first_call_is_metered_before_it_runs():
+    """Planned lazily (no example inputs), the graph fails at the trace inside the first call: that call is
+    metered before it runs the fallback, so a budget below every layer checkpointed is refused before anything
+    ran, and a roomy one recomputes nothing even at the first call (it checkpointed every layer, unverified)."""
+    torch.manual_seed(0)
+    model = _TowerSelectingByMask().double()
+    image, text = torch.randn(256, 64, dtype=torch.float64), torch.randn(8, 64, dtype=torch.float64)
+    with pytest.raises(InfeasibleBudgetError, match=r"each of its 8 layers checkpointed"):
+        rematerialize(model, budget=2**20, verbose=False)(image, text)
+    assert all(p.grad is None for p in model.parameters())
+    rm = rematerialize(model, budget=10**9, verbose=False)
+    rm(image, text).backward()
+    assert "could not be traced" in rm.plan.fallback and all(b.mode == "keep" for b in rm.plan.blocks)
+    assert rm.plan.predicted_peak_bytes == rm.plan.baseline_peak_bytes > 0
+
+
 class _SelectsByMask(nn.Module):
     """Boolean-mask selection (``h[mask]``): torch.export holds its size unbacked, AOTAutograd's trace at fixed sizes
     cannot (NOTE [untraceable graphs])."""

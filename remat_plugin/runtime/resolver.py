@@ -371,7 +371,8 @@ class StepResolver:
                              caches=self.caches, progress=progress, find_floor=self.find_floor, on_plan=on_plan,
                              dropped_outputs=dropped_outputs, ungraded_outputs=ungraded_outputs,
                              calibration_bytes=self.calibration.bytes_for(call),
-                             options=self.execution, exported=exported)
+                             options=self.execution, exported=exported,
+                             on_fallback_in_call=functools.partial(self._size_in_call, call))
             step.to_meter = True
             if now and not step.checked:
                 try:
@@ -536,6 +537,13 @@ class StepResolver:
             step = self.steps[call.key] = replanned
         self.latest = step
         return step
+
+    def _size_in_call(self, call: Call, step: PlannedStep) -> None:
+        """A fallback made inside a call (its graph failed at the trace: ``nonzero``, a boolean mask) metered before
+        that call runs it (NOTE [metered fallback]); under several ranks the agreement meters it on every rank."""
+        if dist.world_size() == 1 and step.to_meter and not profiler_active():
+            step.to_meter = False
+            self.size_fallback(call, step, lambda: metered_step(self.module, step, call))
 
     def size_fallback(self, call: Call, step: PlannedStep, meter: Callable[[], int | None]) -> None:
         """Checkpoint as many of a fallback step's layers as ``meter()``'s peaks call for (NOTE [metered fallback]);

@@ -146,7 +146,8 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
               on_plan: Callable[[PlannedStep], None] | None = None,
               dropped_outputs: frozenset[int] = frozenset(), ungraded_outputs: frozenset[int] = frozenset(),
               calibration_bytes: int = 0,
-              options: ExecutionOptions = EAGER, exported: torch.fx.GraphModule | None = None) -> PlannedStep:
+              options: ExecutionOptions = EAGER, exported: torch.fx.GraphModule | None = None,
+              on_fallback_in_call: Callable[[PlannedStep], None] | None = None) -> PlannedStep:
     """A step that captures, profiles and plans on its first call; ``on_plan(step)`` runs once its plan is made.
 
     ``dropped_outputs``: flat tensor outputs the caller drops before backward, freed once returned
@@ -155,7 +156,8 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
     the budget for what a metered step showed the model misses (NOTE [calibration]).  ``options``: where the
     caller runs ``backward()`` and whether the programs are compiled (:class:`ExecutionOptions`).
     ``exported``: the exported module of an earlier step of this very call (:meth:`PlannedStep.exported_module`),
-    traced again instead of exporting the model anew.
+    traced again instead of exporting the model anew.  ``on_fallback_in_call(step)``: told of a fallback made
+    inside a call (the exported graph failed at the trace), before that call runs it (NOTE [metered fallback]).
 
     Models ``torch.export`` cannot capture fall back to per-layer checkpointing when they have
     a list of repeated layers (``step.plan.fallback`` says so, and ``on_plan`` runs at once),
@@ -198,6 +200,8 @@ def plan_step(module: nn.Module, call: Call, budget_bytes: int, *, ilp_time_limi
             step.checked = True
             if on_plan is not None:
                 on_plan(step)
+            if on_fallback_in_call is not None:
+                on_fallback_in_call(step)
             return step.run
 
         step.run.on_untraceable = untraceable

@@ -22,7 +22,6 @@ NOTE [calibration]
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -31,11 +30,9 @@ from torch import nn
 
 from remat_plugin.capture.export import EAGER
 from remat_plugin.capture.memory_meter import allocator_slack, allocator_trace, memory_profile, warm_backward_workspaces
-from remat_plugin.capture.module_hooks import user_hooks
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
-from remat_plugin.ir.plan import MARGIN_MIN_BYTES, BlockChoice, Plan, budget_for_peak, safety_margin
+from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime import dist
-from remat_plugin.runtime.fallback import CheckpointedRun
 from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PlannedStep, written_inputs
@@ -46,7 +43,6 @@ log = logging.getLogger(__name__)
 TOLERANCE = 0.05  # a metered peak this far above the prediction is corrected
 MAX_CORRECTIONS = 2  # of plans that measured within the budget, above their prediction
 MAX_OVER_BUDGET_CORRECTIONS = 4  # of plans that measured over it; then the call raises instead of running
-MAX_SIZINGS = 3  # metered steps choosing how many layers a fallback checkpoints, past the first two
 
 
 def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None:
@@ -99,69 +95,6 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
     finally:
         step.take_usage()  # what this backward did with the outputs is ours, not the caller's (NOTE [output usage])
     return peak if ran else None
-
-
-def size_fallback(model: str, step: PlannedStep, call: Call, meter: Callable[[], int | None]) -> str | None:
-    """Choose how many of a fallback step's layers are checkpointed from ``meter()``'s peaks of the step (NOTE
-    [metered fallback] in :mod:`remat_plugin.runtime.fallback`); ``step.plan`` records the choice.  Returns a
-    line saying what was chosen, or None when the step is not metered (every layer stays checkpointed): it could
-    not be, or the model has hooks a metered step would run again.
-    Raises :class:`InfeasibleBudgetError` before the caller's step runs when every layer checkpointed measures
-    above the budget."""
-    run, plan = step.run, step.plan
-    assert isinstance(run, CheckpointedRun) and plan is not None and plan.fallback
-    usable = plan.budget_bytes - safety_margin(plan.budget_bytes) - allocator_slack(call.device)
-    n = len(run.layers)
-    hooks = user_hooks(run.module)
-    if hooks:
-        log.warning("remat_plugin: the fallback step of %s is not metered: a metered step would run its hooks (%s) "
-                    "again. Every one of its %d layers is checkpointed, the budget of %s not verified", model,
-                    ", ".join(hooks[:3]) + (", ..." if len(hooks) > 3 else ""), n, human_bytes(plan.budget_bytes))
-        return None
-
-    def metered() -> int | None:  # each from autocast's cast cache empty, as the caller's step after them starts
-        torch.clear_autocast_cache()
-        try:
-            return meter()
-        finally:
-            torch.clear_autocast_cache()
-
-    run.count = 0
-    with run.ordered_by_saved_bytes():
-        unmodified = metered()
-    if unmodified is None:
-        run.count = n
-        log.warning("remat_plugin: the fallback step of %s could not be metered; every one of its %d layers is "
-                    "checkpointed, the budget of %s not verified", model, n, human_bytes(plan.budget_bytes))
-        return None
-    peaks = {0: unmodified}
-    if unmodified > usable:
-        run.count = n
-        every = metered()
-        peaks[n] = every if every is not None else unmodified
-        if peaks[n] > usable:
-            raise InfeasibleBudgetError(plan.budget_bytes, budget_for_peak(peaks[n]),
-                                        what=f"step of {model} with each of its {n} layers checkpointed (it has no "
-                                             "graph, so it was measured: NOTE [metered fallback])")
-        over, within = 0, n  # the most layers measured over the usable budget, the fewest within it
-        for _ in range(MAX_SIZINGS):
-            if within - over <= 1:
-                break
-            share = (peaks[over] - usable) / max(peaks[over] - peaks[within], 1)  # along the line between the two
-            run.count = min(max(over + int(-(-(within - over) * share // 1)), over + 1), within - 1)
-            peak = metered()
-            if peak is None:
-                break
-            peaks[run.count] = peak
-            over, within = (over, run.count) if peak <= usable else (run.count, within)
-        run.count = within
-    step.plan = dataclasses.replace(
-        plan, predicted_peak_bytes=peaks[run.count], baseline_peak_bytes=unmodified,
-        min_feasible_bytes=budget_for_peak(peaks[n]) if n in peaks else -1,
-        blocks=tuple(BlockChoice(i, 0, "checkpoint" if i in run.checkpointed else "keep", -1, -1.0) for i in range(n)))
-    return (f"remat_plugin: {model}'s fallback checkpoints {run.count} of its {n} layers: measured "
-            f"{human_bytes(peaks[run.count])} under a {human_bytes(plan.budget_bytes)} budget (unmodified "
-            f"{human_bytes(unmodified)}; metered on {call.signature.describe()})")
 
 
 class Calibration:

@@ -15,7 +15,7 @@ NOTE [metered fallback]
     recomputation for nothing).  Else one with every layer checkpointed is metered: above the budget,
     :class:`~remat_plugin.errors.InfeasibleBudgetError` names the measured peak before the caller's step runs;
     within it, ``k`` layers are checkpointed, ``k`` read off the line between the two peaks, and metered in
-    turn (up to :data:`~remat_plugin.runtime.calibration.MAX_SIZINGS` times, then all layers).  The plan records what was chosen
+    turn (up to :data:`MAX_SIZINGS` times, then all layers).  The plan records what was chosen
     (``blocks``: "checkpoint" or "keep" per layer) and the peaks measured.  The layers saving the most for
     backward (counted in the first metered step) are checkpointed first: a vision tower's before a language
     model's layers run on fewer tokens.  The metered steps hold every output through backward, as a caller
@@ -34,9 +34,10 @@ NOTE [metered fallback]
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,12 +45,18 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from remat_plugin.capture.forward_swap import swapped_forwards
+from remat_plugin.capture.memory_meter import allocator_slack
+from remat_plugin.capture.module_hooks import user_hooks
 from remat_plugin.capture.output_usage import OutputUsage
-from remat_plugin.ir.plan import BlockChoice, Plan
+from remat_plugin.errors import InfeasibleBudgetError, human_bytes
+from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_margin
 from remat_plugin.runtime.side_effects import restored_buffers
+from remat_plugin.runtime.signature import Call
 from remat_plugin.torch_private import in_backward, pytree
 
 log = logging.getLogger(__name__)
+
+MAX_SIZINGS = 3  # metered steps choosing how many layers a fallback checkpoints, past the first two
 
 
 def _checkpointed_forward(layer: nn.Module, forward):
@@ -180,3 +187,66 @@ def fallback_plan(reason: str, chains: list[tuple[str, list[nn.Module]]], budget
         n_unique_blocks=1, signature=signature,
         fallback=f"{reason}; per-layer checkpointing of {names} ({n_layers} layers)",
     )
+
+
+def size_fallback(model: str, run: CheckpointedRun, plan: Plan, call: Call,
+                  meter: Callable[[], int | None]) -> tuple[Plan, str] | None:
+    """Choose how many of ``run``'s layers are checkpointed from ``meter()``'s peaks of its step (NOTE [metered
+    fallback]): the fallback ``plan`` recording the choice and a line saying it, or None when the step is not
+    metered (every layer stays checkpointed): it could not be, or the model has hooks a metered step would run
+    again.  Raises :class:`InfeasibleBudgetError` before the caller's step runs when every layer checkpointed
+    measures above the budget."""
+    assert plan.fallback
+    usable = plan.budget_bytes - safety_margin(plan.budget_bytes) - allocator_slack(call.device)
+    n = len(run.layers)
+    hooks = user_hooks(run.module)
+    if hooks:
+        log.warning("remat_plugin: the fallback step of %s is not metered: a metered step would run its hooks (%s) "
+                    "again. Every one of its %d layers is checkpointed, the budget of %s not verified", model,
+                    ", ".join(hooks[:3]) + (", ..." if len(hooks) > 3 else ""), n, human_bytes(plan.budget_bytes))
+        return None
+
+    def metered() -> int | None:  # each from autocast's cast cache empty, as the caller's step after them starts
+        torch.clear_autocast_cache()
+        try:
+            return meter()
+        finally:
+            torch.clear_autocast_cache()
+
+    run.count = 0
+    with run.ordered_by_saved_bytes():
+        unmodified = metered()
+    if unmodified is None:
+        run.count = n
+        log.warning("remat_plugin: the fallback step of %s could not be metered; every one of its %d layers is "
+                    "checkpointed, the budget of %s not verified", model, n, human_bytes(plan.budget_bytes))
+        return None
+    peaks = {0: unmodified}
+    if unmodified > usable:
+        run.count = n
+        every = metered()
+        peaks[n] = every if every is not None else unmodified
+        if peaks[n] > usable:
+            raise InfeasibleBudgetError(plan.budget_bytes, budget_for_peak(peaks[n]),
+                                        what=f"step of {model} with each of its {n} layers checkpointed (it has no "
+                                             "graph, so it was measured: NOTE [metered fallback])")
+        over, within = 0, n  # the most layers measured over the usable budget, the fewest within it
+        for _ in range(MAX_SIZINGS):
+            if within - over <= 1:
+                break
+            share = (peaks[over] - usable) / max(peaks[over] - peaks[within], 1)  # along the line between the two
+            run.count = min(max(over + int(-(-(within - over) * share // 1)), over + 1), within - 1)
+            peak = metered()
+            if peak is None:
+                break
+            peaks[run.count] = peak
+            over, within = (over, run.count) if peak <= usable else (run.count, within)
+        run.count = within
+    sized = dataclasses.replace(
+        plan, predicted_peak_bytes=peaks[run.count], baseline_peak_bytes=unmodified,
+        min_feasible_bytes=budget_for_peak(peaks[n]) if n in peaks else -1,
+        blocks=tuple(BlockChoice(i, 0, "checkpoint" if i in run.checkpointed else "keep", -1, -1.0) for i in range(n)))
+    said = (f"remat_plugin: {model}'s fallback checkpoints {run.count} of its {n} layers: measured "
+            f"{human_bytes(peaks[run.count])} under a {human_bytes(plan.budget_bytes)} budget (unmodified "
+            f"{human_bytes(unmodified)}; metered on {call.signature.describe()})")
+    return sized, said

@@ -97,7 +97,8 @@ from remat_plugin.capture.segments import MAX_SEGMENTS
 from remat_plugin.errors import CallsInFlightError, CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak
 from remat_plugin.runtime import dist
-from remat_plugin.runtime.calibration import Calibration, metered_step, size_fallback
+from remat_plugin.runtime.calibration import Calibration, metered_step
+from remat_plugin.runtime.fallback import CheckpointedRun, size_fallback
 from remat_plugin.runtime.progress import PlanningProgress
 from remat_plugin.runtime.reporting import announce, summary_line
 from remat_plugin.runtime.signature import BucketPolicy, Call, bucketed_inputs, describe, python_values
@@ -548,10 +549,12 @@ class StepResolver:
     def size_fallback(self, call: Call, step: PlannedStep, meter: Callable[[], int | None]) -> None:
         """Checkpoint as many of a fallback step's layers as ``meter()``'s peaks call for (NOTE [metered fallback]);
         the plan stored for these shapes becomes the sized one."""
-        said = size_fallback(type(self.module).__name__, step, call, meter)
-        if said is None:
+        assert isinstance(step.run, CheckpointedRun) and step.plan is not None
+        sized = size_fallback(type(self.module).__name__, step.run, step.plan, call, meter)
+        if sized is None:
             return
-        if call.key in self.store.plans and step.plan is not None:
+        step.plan, said = sized
+        if call.key in self.store.plans:
             self.store.add(call.key, step.plan)
         if self.verbose:
             self.report(said)

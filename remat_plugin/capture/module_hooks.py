@@ -60,25 +60,32 @@ def hooks_state(module: nn.Module) -> str:
     return "|".join(sorted(f"{where}:{origin}.{name}" for where, origin, name in _hooks(module, (False, True))))
 
 
+def _backward_hooks(module: nn.Module) -> list[str]:
+    return [f"{name} on {where}" for where, _, name in _hooks(module, (True,))]
+
+
+def _forward_hooks_of_the_user(module: nn.Module) -> list[str]:
+    """Forward hooks other than PyTorch's, ours and transformers' (NOTE [module hooks]), sorted."""
+    return sorted({f"{name} on {where}" for where, origin, name in _hooks(module, (False,))
+                   if not origin.startswith(_TRACED_AS_OPS) and "enable_input_require_grads" not in name})
+
+
 def user_hooks(module: nn.Module) -> list[str]:
     """Every backward hook, and the forward hooks that are not PyTorch's, ours or transformers' collectors:
     hooks whose Python a step run only to be metered would run again (NOTE [metered fallback])."""
-    return sorted({f"{name} on {where}" for where, origin, name in _hooks(module, (False, True))
-                   if not origin.startswith(_TRACED_AS_OPS) and "enable_input_require_grads" not in name}
-                  | {f"{name} on {where}" for where, _, name in _hooks(module, (True,))})
+    return sorted({*_backward_hooks(module), *_forward_hooks_of_the_user(module)})
 
 
 def check_hooks(module: nn.Module) -> None:
     """Refuse backward hooks, and say once which forward hooks run only while tracing (NOTE [module hooks])."""
-    backward = [f"{name} on {where}" for where, _, name in _hooks(module, (True,))]
+    backward = _backward_hooks(module)
     if backward:
         raise CaptureError(
             f"remat_plugin.capture: {type(module).__name__} has backward hooks ({', '.join(backward[:3])}"
             f"{', ...' if len(backward) > 3 else ''}), which a planned step would never run: its backward runs "
             "programs made from the traced graph, not the modules. Register them on tensors instead "
             "(tensor.register_hook, or on parameters), or remove them")
-    traced = sorted({f"{name} on {where}" for where, origin, name in _hooks(module, (False,))
-                     if not origin.startswith(_TRACED_AS_OPS) and "enable_input_require_grads" not in name})
+    traced = _forward_hooks_of_the_user(module)
     told = _told.setdefault(module, set())
     new = [t for t in traced if t not in told]
     if new:

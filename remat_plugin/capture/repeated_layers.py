@@ -63,15 +63,17 @@ from remat_plugin.torch_private import (
 log = logging.getLogger(__name__)
 
 
+def _repeated_lists(module: nn.Module) -> Iterator[tuple[str, list[nn.Module]]]:
+    """Every ``ModuleList``/``Sequential`` of two or more modules of one class, parents before children."""
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2 and len({type(m) for m in child}) == 1:
+            yield name, list(child)
+
+
 def find_layer_chain(module: nn.Module) -> tuple[str, list[nn.Module]] | None:
     """The repeated layers holding the most parameters: ``(qualified name, layers)``, or None."""
     best: tuple[int, str, list[nn.Module]] | None = None
-    for name, child in module.named_modules():
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
-            continue
-        layers = list(child)
-        if len({type(m) for m in layers}) != 1:
-            continue
+    for name, layers in _repeated_lists(module):
         n_params = sum(p.numel() for m in layers for p in m.parameters())
         if best is None or n_params > best[0]:
             best = (n_params, name, layers)
@@ -91,15 +93,10 @@ def find_layer_chains(module: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     def nested(inner: str, outer: str) -> bool:
         return outer == "" or inner == outer or inner.startswith(outer + ".")
 
-    for name, child in module.named_modules():  # parents before children: the outermost list of a kind wins
-        if not isinstance(child, (nn.ModuleList, nn.Sequential)) or len(child) < 2:
-            continue
-        layers = list(child)
-        if len({type(m) for m in layers}) != 1 or not any(True for _ in layers[0].children()):
-            continue
-        if any(nested(name, other) or nested(other, name) for other, _ in chains):
-            continue
-        chains.append((name, layers))
+    for name, layers in _repeated_lists(module):  # parents first: the outermost list of a kind wins
+        if any(True for _ in layers[0].children()) and \
+                not any(nested(name, other) or nested(other, name) for other, _ in chains):
+            chains.append((name, layers))
     return chains
 
 

@@ -320,10 +320,8 @@ class StepResolver:
             try:
                 solved = self.solve(bucket, budget_bytes, now=True)
                 assert solved.plan is not None
-                if solved.plan.fallback and solved.to_meter:  # metered once at the bucket's shapes, for its calls
-                    solved.to_meter = False
-                    self.size_fallback(bucket, solved, lambda: metered_step(self.module, solved, bucket))
-                    assert solved.plan is not None
+                self._meter_fallback(bucket, solved)  # a fallback: metered once at the bucket's shapes, for its calls
+                assert solved.plan is not None
                 return solved.plan, None
             except Exception as exc:  # the model may refuse the padded inputs in any way
                 if isinstance(exc, RematError) and not isinstance(exc, (CaptureError, InfeasibleBudgetError)):
@@ -524,9 +522,7 @@ class StepResolver:
     def _calibrated_step(self, call: Call, step: PlannedStep, budget: BudgetFn) -> PlannedStep:
         """``step`` once metered, or the plan its metering called for (NOTE [calibration]); a fallback step's
         layers checkpointed as metering chose (NOTE [metered fallback])."""
-        if step.to_meter and step.plan is not None and step.plan.fallback and not profiler_active():
-            step.to_meter = False
-            self.size_fallback(call, step, lambda: metered_step(self.module, step, call))
+        self._meter_fallback(call, step)
         while step.to_meter and step.checked and step.problem is not None and not profiler_active():
             step.to_meter = False  # a caller's profiler defers metering to a later call: sessions do not nest
             plan, measured = step.plan, metered_step(self.module, step, call)
@@ -542,7 +538,13 @@ class StepResolver:
     def _size_in_call(self, call: Call, step: PlannedStep) -> None:
         """A fallback made inside a call (its graph failed at the trace: ``nonzero``, a boolean mask) metered before
         that call runs it (NOTE [metered fallback]); under several ranks the agreement meters it on every rank."""
-        if dist.world_size() == 1 and step.to_meter and not profiler_active():
+        if dist.world_size() == 1:
+            self._meter_fallback(call, step)
+
+    def _meter_fallback(self, call: Call, step: PlannedStep) -> None:
+        """A fallback ``step`` waiting to be metered is metered here on ``call`` (NOTE [metered fallback]); a
+        caller's profiler defers it to a later call (sessions do not nest)."""
+        if step.to_meter and step.plan is not None and step.plan.fallback and not profiler_active():
             step.to_meter = False
             self.size_fallback(call, step, lambda: metered_step(self.module, step, call))
 

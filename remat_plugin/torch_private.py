@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -519,6 +519,28 @@ def forward_hooks_off(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for name, hooks in saved.items():
             setattr(module, name, hooks)
+
+
+_TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # Tensor.register_hook and its kin
+
+
+@contextlib.contextmanager
+def suspended_tensor_hooks(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Inside, the hooks registered on ``tensors`` (``register_hook``, ``register_post_accumulate_grad_hook``) do
+    not run; on exit they are back, in order.  Autograd reads each tensor's own hook dictionary when a gradient
+    arrives, so emptying that dictionary in place turns them off and refilling it turns them on again."""
+    emptied: list[tuple[dict, dict]] = []
+    try:
+        for t in tensors:
+            for name in _TENSOR_HOOK_DICTS:
+                hooks = getattr(t, name, None)
+                if hooks:
+                    emptied.append((hooks, dict(hooks)))
+                    hooks.clear()
+        yield
+    finally:
+        for hooks, saved in emptied:
+            hooks.update(saved)
 
 
 def global_module_hooks(backward: bool) -> list[Callable]:

@@ -80,3 +80,81 @@ def test_a_parameter_hook_registered_before_training_runs_on_the_planned_step():
                            step_grads(reference, batches, lambda out: out.pow(2).mean())):
         assert all(torch.equal(a, b) for a, b in zip(ours, eager))
         assert ours[0].abs().max() <= 1e-3
+
+
+class _Layers(nn.Module):
+    """Four residual layers with dropout; ``branch``: a data-dependent ``if`` leaves it without a graph."""
+
+    def __init__(self, branch: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32))
+                                    for _ in range(4))
+        self.branch = branch
+
+    def forward(self, x):
+        if self.branch and x.sum() > 1e9:
+            x = x * 2
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["planned", "fallback"])
+def test_parameter_hooks_run_once_per_training_step_and_never_in_a_metered_one(branch):
+    """NOTE [parameter hooks unobserved]: a gradient hook on each parameter (logging) and an optimizer stepped
+    inside backward (``register_post_accumulate_grad_hook``, PyTorch's optimizer-in-backward recipe) run once per
+    parameter per training step, as in eager PyTorch, while the plan's metered steps (calibration at a recomputing
+    budget; a fallback's sizing) run unobserved.  Those steps ran the gradient hooks once more."""
+    from remat_plugin.capture.memory_meter import measure_peak_profiler
+
+    torch.manual_seed(0)
+    model = _Layers(branch).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(256, 32, dtype=torch.float64)
+    probe = copy.deepcopy(model)
+    probe(x).backward()
+    peak = measure_peak_profiler(lambda: probe(x).backward())[1]
+
+    def instrument(m: nn.Module) -> list[int]:
+        seen = [0]
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in m.parameters()}
+
+        def step_in_backward(p):
+            optimizers[p].step()
+            optimizers[p].zero_grad(set_to_none=True)
+
+        for p in m.parameters():
+            p.register_hook(lambda grad: seen.__setitem__(0, seen[0] + 1))
+            p.register_post_accumulate_grad_hook(step_in_backward)
+        return seen
+
+    ours, eager = instrument(model), instrument(reference)
+    planned = rematerialize(model, (x,), budget=int(0.7 * peak), verbose=False)
+    for step in range(3):
+        for m in (planned, reference):
+            torch.manual_seed(step)
+            m(x).backward()
+        assert ours[0] == eager[0] == 16 * (step + 1), (step, ours, eager)
+    assert bool(planned.plan.fallback) == branch
+    assert any(b.mode != "keep" for b in planned.plan.blocks), planned.plan.table()  # the budget recomputes
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_an_auto_batch_size_trial_steps_no_optimizer_in_backward():
+    """The verification step of auto batch size runs ``backward()`` with the gradients set aside: an optimizer
+    stepped by a post-accumulate hook took a step on the trial's gradients (NOTE [parameter hooks unobserved])."""
+    from remat_plugin.batch_size.tune import measure_step
+    from remat_plugin.runtime.config import RematConfig
+    from remat_plugin.runtime.session import RematSession
+
+    torch.manual_seed(0)
+    model = _Layers(False).double()
+    before = [p.detach().clone() for p in model.parameters()]
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    x = torch.randn(64, 32, dtype=torch.float64)
+    measure_step(RematSession(model, RematConfig(budget=10**9, ilp_time_limit_s=0.2)), (x,), {})
+    assert fired == [] and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    model(x).backward()
+    assert len(fired) == 16

@@ -1,4 +1,5 @@
-"""Running a module without leaving a trace: its buffers and the RNG stream come back unchanged."""
+"""Running a module without leaving a trace: its buffers and the RNG stream come back unchanged, its parameters'
+gradient hooks do not run."""
 from __future__ import annotations
 
 import contextlib
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 from remat_plugin.capture.host_random import HostDraws
+from remat_plugin.torch_private import suspended_tensor_hooks
 
 
 @contextlib.contextmanager
@@ -37,7 +39,15 @@ def restored_inputs(inputs: Sequence[torch.Tensor]) -> Iterator[None]:
 @contextlib.contextmanager
 def unobserved(module: nn.Module, device: torch.device, inputs: Sequence[torch.Tensor] = ()) -> Iterator[None]:
     """Neither ``module``'s buffers, nor the generator stream of ``device`` (and the CPU), nor Python's and NumPy's
-    global generators (a fallback's forward runs as written: NOTE [host random draws]), nor ``inputs`` move."""
+    global generators (a fallback's forward runs as written: NOTE [host random draws]), nor ``inputs`` move.
+
+    NOTE [parameter hooks unobserved]
+        Hooks a caller put on the parameters (``p.register_hook``: gradient logging, a gradient accumulated into
+        a buffer of its own; ``p.register_post_accumulate_grad_hook``: an optimizer stepped inside backward) are
+        the caller's training step's, not ours: inside, they do not run.  A metered step (calibration, a
+        fallback's sizing, an FSDP2 step, an auto-batch-size trial) ran them once more per step, and an
+        optimizer stepped in backward took a step on the trial's gradients.  What such a hook allocates (a
+        clamped gradient) is then not in the metered peak: at most one parameter's gradient at a time."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module), \
-            restored_inputs(inputs), HostDraws().restored():
+            restored_inputs(inputs), HostDraws().restored(), suspended_tensor_hooks(module.parameters()):
         yield

@@ -34,6 +34,7 @@ from remat_plugin.capture.dropped_tangents import (
     some_gradient_reads_part_of_the_tangents,
 )
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
+from remat_plugin.capture.graded_constants import GradedLeaves
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place, sums_in_place
@@ -128,7 +129,7 @@ def _may_be_the_argument(local: object, argument: torch.Tensor) -> bool:
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
-    draws, hooks = HostDraws(), ForwardHooks()
+    draws, hooks, graded = HostDraws(), ForwardHooks(), GradedLeaves()
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
@@ -136,7 +137,8 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
                 partial_graph_unprinted(), batch_norm_laid_out_as_eager():
             # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
-            exported = torch.export.export(module, args, kwargs, strict=False)
+            with graded:
+                exported = torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = ""
@@ -208,6 +210,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
         ) from exc
     draws.check(type(module).__name__)  # NOTE [host random draws]
     hooks.check(type(module).__name__)  # NOTE [hooks in the forward]
+    graded.check(module, args, kwargs)  # NOTE [graded constants]
     gm = restore_functions(exported.module())
     gm.meta[MUTATED_INPUTS_META] = mutated_inputs(exported)  # NOTE [inputs written by the forward]
     refuse_unreplayable_effects(gm, type(module).__name__)

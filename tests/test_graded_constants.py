@@ -107,3 +107,35 @@ def test_a_global_is_named_and_the_same_tensors_as_parameters_are_planned(caplog
         m(x).backward()
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     assert model.prompt.grad is not None and model.temperature.grad is not None
+
+
+def test_a_tensor_computed_outside_and_handed_over_in_an_attribute_falls_back_and_trains_its_encoder(caplog):
+    """``model.context = encoder(...)`` before each call: the planned step held the first context as a constant, so
+    the encoder got no gradient."""
+    class Conditioned(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3))
+            self.context = None
+
+        def forward(self, x):
+            x = x + self.context
+            for layer in self.layers:
+                x = x + layer(x)
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    model, encoder = Conditioned().double(), nn.Linear(32, 32).double()
+    reference, reference_encoder = copy.deepcopy(model), copy.deepcopy(encoder)
+    x, c = torch.randn(64, 32, dtype=torch.float64), torch.randn(2, 1, 32, dtype=torch.float64)
+    model.context = encoder(c[0])
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    assert planned.plan.fallback and "'context' (not registered with the model), which requires grad" in caplog.text
+    for step in range(2):
+        for m, module, enc in ((planned, model, encoder), (reference, reference, reference_encoder)):
+            module.zero_grad(set_to_none=True)
+            enc.zero_grad(set_to_none=True)
+            module.context = enc(c[step])
+            m(x).backward()
+        assert encoder.weight.grad is not None and torch.equal(encoder.weight.grad, reference_encoder.weight.grad)

@@ -34,7 +34,7 @@ from remat_plugin.capture.dropped_tangents import (
     some_gradient_reads_part_of_the_tangents,
 )
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
-from remat_plugin.capture.graded_constants import GradedLeaves
+from remat_plugin.capture.graded_constants import GradedTensors
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place, sums_in_place
@@ -129,7 +129,7 @@ def _may_be_the_argument(local: object, argument: torch.Tensor) -> bool:
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
-    draws, hooks, graded = HostDraws(), ForwardHooks(), GradedLeaves()
+    draws, hooks, graded = HostDraws(), ForwardHooks(), GradedTensors()
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
@@ -148,7 +148,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             frames.append(tb.tb_frame)
             tb = tb.tb_next
         user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename
-                and f.f_code is not GradedLeaves.__torch_function__.__code__]  # the mode records and passes on
+                and f.f_code is not GradedTensors.__torch_function__.__code__]  # the mode records and passes on
         line = ""
         if user:
             f = user[-1]

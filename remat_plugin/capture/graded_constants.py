@@ -5,10 +5,12 @@ NOTE [graded constants]
     a constant of the program, detached: a plain attribute (``self.prompt = torch.randn(..., requires_grad=True)``,
     a soft prompt not wrapped in ``nn.Parameter``), a module kept in a plain list (``self.extra = [nn.Linear(...)]``,
     whose parameters the model does not register), or a tensor or module from outside the model (a global or a
-    closure: a learnable temperature the optimizer also holds, a layer shared with another model).  The planned
+    closure: a learnable temperature the optimizer also holds, a layer shared with another model), or a tensor
+    computed outside the step and handed over in an attribute (``model.context = encoder(x)``).  The planned
     step gave those no gradient while eager PyTorch gives them one: the optimizer silently stopped training them
-    (found 2026-11-28).  While the model is exported, a function mode records every leaf tensor that requires
-    grad and is not one of the module's parameters or the call's tensors; any such capture is refused, naming
+    (found 2026-11-28).  While the model is exported, a function mode records every real tensor that requires
+    grad and is not one of the module's parameters or the call's tensors (the forward's own are fake there);
+    any such capture is refused, naming
     each tensor and the fix (an ``nn.Parameter`` or submodule of the model, or an argument of the call).  A model
     with repeated layers falls back to per-layer checkpointing, whose forward runs as written and gives those
     tensors their gradients.
@@ -27,9 +29,9 @@ from remat_plugin.errors import CaptureError
 from remat_plugin.torch_private import FakeTensor, pytree
 
 
-class GradedLeaves(TorchFunctionMode):
-    """Records the real leaf tensors that require grad passed to torch functions while active (export's fake
-    tensors are not)."""
+class GradedTensors(TorchFunctionMode):
+    """Records the real tensors that require grad passed to torch functions while active (export's fake tensors
+    are not)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,12 +40,12 @@ class GradedLeaves(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for a in pytree.tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and not isinstance(a, FakeTensor):
+            if isinstance(a, torch.Tensor) and a.requires_grad and not isinstance(a, FakeTensor):
                 self.seen.setdefault(id(a), a)
         return func(*args, **kwargs)
 
     def check(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """Raise :class:`CaptureError` if a leaf seen is none of ``module``'s parameters or the call's tensors."""
+        """Raise :class:`CaptureError` if a tensor seen is none of ``module``'s parameters or the call's tensors."""
         own = {id(t) for t in (*module.parameters(), *module.buffers(), *pytree.tree_leaves((args, kwargs)))}
         foreign = [t for key, t in self.seen.items() if key not in own]
         if not foreign:

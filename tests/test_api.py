@@ -660,6 +660,43 @@ def test_a_fallback_made_inside_the_first_call_is_metered_before_it_runs():
     assert rm.plan.predicted_peak_bytes == rm.plan.baseline_peak_bytes > 0
 
 
+class _JacobianPenalty(nn.Module):
+    """Its forward takes the input Jacobian of its layers with torch.func (a contractive penalty): no graph, and
+    torch.func refuses the saved-tensor hooks of checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)) for _ in range(3))
+
+    def features(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+    def forward(self, x):
+        jacobian = torch.func.vmap(torch.func.jacrev(lambda v: self.features(v).sum(-1, keepdim=True)))(x)
+        return self.features(x).square().mean() + jacobian.square().mean()
+
+
+def test_a_fallback_whose_layers_run_under_torch_func_runs_them_unmodified_or_refuses_the_budget():
+    """NOTE [metered fallback]: the layers cannot be checkpointed under torch.func (its step raised torch.func's
+    "don't yet support saved tensor hooks" out of the caller's step); metered unmodified, the step trains
+    bitwise eager's within a roomy budget and is refused before it runs below its peak."""
+    torch.manual_seed(0)
+    model = _JacobianPenalty().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 8, dtype=torch.float64)
+    with pytest.raises(InfeasibleBudgetError, match=r"none of whose 3 layers can be recomputed .*torch.func"):
+        rematerialize(model, (x,), budget=2**16, verbose=False)(x)
+    assert all(p.grad is None for p in model.parameters())
+    rm = rematerialize(model, (x,), budget=10**9, verbose=False)
+    for m in (rm, reference):
+        for _ in range(2):
+            m(x).backward()
+    assert all(b.mode == "keep" for b in rm.plan.blocks) and rm.plan.predicted_peak_bytes > 0
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
 class _SelectsByMask(nn.Module):
     """Boolean-mask selection (``h[mask]``): torch.export holds its size unbacked, AOTAutograd's trace at fixed sizes
     cannot (NOTE [untraceable graphs])."""

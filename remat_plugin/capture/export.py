@@ -147,7 +147,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
         while tb is not None:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
-        user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename
+        user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename and f.f_code.co_filename != __file__
                 and f.f_code is not GradedTensors.__torch_function__.__code__]  # the mode records and passes on
         line = ""
         if user:

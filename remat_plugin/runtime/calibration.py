@@ -89,8 +89,9 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
     except RuntimeError as exc:  # a hook of the caller's may refuse autograd.grad: metering is ours, not the step
         if isinstance(exc, torch.OutOfMemoryError):
             raise
-        log.warning("remat_plugin: calibration: the metered step of %s failed (%s: %s); its plan runs unmetered",
-                    type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        if not getattr(step.run, "hooks_refused", False):  # a fallback torch.func refused says what it does instead
+            log.warning("remat_plugin: calibration: the metered step of %s failed (%s: %s); its plan runs unmetered",
+                        type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
         return None
     finally:
         step.take_usage()  # what this backward did with the outputs is ours, not the caller's (NOTE [output usage])

@@ -25,7 +25,12 @@ NOTE [metered fallback]
     (that step may have gone over by its size) and the step is metered again with it held.  A step that
     cannot be metered (no output carries a gradient), or a
     model with hooks (NOTE [module hooks]), which a metered step would run again, checkpoints every layer,
-    unverified, as a warning says.  The metered steps run the forward's Python: side effects outside buffers and
+    unverified, as a warning says.  Layers run under a torch.func transform (an input Jacobian taken with
+    ``jacrev`` in the forward) cannot be checkpointed: torch.func refuses the saved-tensor hooks checkpointing (and
+    the saved-bytes count) needs.  That refusal is caught at the first metered step, which is metered again as
+    written: the step runs unmodified within the budget, else :class:`~remat_plugin.errors.InfeasibleBudgetError`
+    names that peak; a step that was not metered raises the refusal with its reason.  The metered steps run the
+    forward's Python: side effects outside buffers and
     the random streams (a counter kept in a plain attribute) happen once more per metered step.  Under autocast
     each metered step starts and ends with autocast's cast cache cleared: the first one's casts of the weights,
     cached for the rest of the caller's autocast block, made the later ones (and the caller's step) look 10%
@@ -48,7 +53,7 @@ from remat_plugin.capture.forward_swap import swapped_forwards
 from remat_plugin.capture.memory_meter import allocator_slack
 from remat_plugin.capture.module_hooks import user_hooks
 from remat_plugin.capture.output_usage import OutputUsage
-from remat_plugin.errors import InfeasibleBudgetError, human_bytes
+from remat_plugin.errors import CaptureError, InfeasibleBudgetError, human_bytes
 from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_margin
 from remat_plugin.runtime.side_effects import restored_buffers
 from remat_plugin.runtime.signature import Call
@@ -57,6 +62,7 @@ from remat_plugin.torch_private import in_backward, pytree
 log = logging.getLogger(__name__)
 
 MAX_SIZINGS = 3  # metered steps choosing how many layers a fallback checkpoints, past the first two
+_SAVED_TENSOR_HOOKS_REFUSED = "support saved tensor hooks"  # torch.func's error inside checkpointing or our count
 
 
 def _checkpointed_forward(layer: nn.Module, forward):
@@ -87,6 +93,7 @@ class CheckpointedRun:
         self.module, self.layers, self.count = module, layers, len(layers)
         self.order = list(range(len(layers)))  # the layers to checkpoint first, first
         self.usage: OutputUsage | None = None  # what the caller held as the latest call's backward began
+        self.hooks_refused = False  # a call raised torch.func's refusal of saved-tensor hooks
         self._saved: list[int] | None = None  # while recording: bytes each layer's forward saves for backward
 
     @property
@@ -96,8 +103,18 @@ class CheckpointedRun:
     def __call__(self, args: tuple, kwargs: dict):
         chosen = self.checkpointed
         layers = [layer for i, layer in enumerate(self.layers) if i in chosen]
-        with checkpointed_layers(layers), self._recording():
-            output = self.module(*args, **kwargs)
+        try:
+            with checkpointed_layers(layers), self._recording():
+                output = self.module(*args, **kwargs)
+        except RuntimeError as exc:  # NOTE [metered fallback]: torch.func refuses the saved-tensor hooks
+            if _SAVED_TENSOR_HOOKS_REFUSED not in str(exc):
+                raise
+            self.hooks_refused = True
+            raise CaptureError(
+                f"remat_plugin: {type(self.module).__name__}'s forward runs its layers under a torch.func transform "
+                f"(jacrev, vmap, grad), which refuses the saved-tensor hooks checkpointing needs ({exc}): none of "
+                "its layers can be recomputed. Train it with a budget above its unmodified peak, or unplanned "
+                "(rm.original)", fallback=False) from exc
         if torch.is_grad_enabled():
             self._watch(output)
         return output
@@ -216,6 +233,8 @@ def size_fallback(model: str, run: CheckpointedRun, plan: Plan, call: Call,
     run.count = 0
     with run.ordered_by_saved_bytes():
         unmodified = metered()
+    if unmodified is None and run.hooks_refused:  # torch.func refused the count's hooks: metered again without
+        return _size_unrecomputable(model, run, plan, call, metered(), usable)
     if unmodified is None:
         run.count = n
         log.warning("remat_plugin: the fallback step of %s could not be metered; every one of its %d layers is "
@@ -250,3 +269,26 @@ def size_fallback(model: str, run: CheckpointedRun, plan: Plan, call: Call,
             f"{human_bytes(peaks[run.count])} under a {human_bytes(plan.budget_bytes)} budget (unmodified "
             f"{human_bytes(unmodified)}; metered on {call.signature.describe()})")
     return sized, said
+
+
+def _size_unrecomputable(model: str, run: CheckpointedRun, plan: Plan, call: Call, unmodified: int | None,
+                         usable: int) -> tuple[Plan, str] | None:
+    """A fallback none of whose layers can be checkpointed (torch.func refuses the saved-tensor hooks): it runs
+    unmodified if that ``unmodified`` peak fits, else :class:`InfeasibleBudgetError` before the caller's step."""
+    n = len(run.layers)
+    if unmodified is None:
+        log.warning("remat_plugin: the fallback step of %s could not be metered, and none of its layers can be "
+                    "checkpointed (torch.func); it runs unmodified, the budget of %s not verified", model,
+                    human_bytes(plan.budget_bytes))
+        return None
+    if unmodified > usable:
+        raise InfeasibleBudgetError(plan.budget_bytes, budget_for_peak(unmodified),
+                                    what=f"step of {model}, none of whose {n} layers can be recomputed (they run "
+                                         "under a torch.func transform, which refuses checkpointing's saved-tensor "
+                                         "hooks; measured)")
+    sized = dataclasses.replace(plan, predicted_peak_bytes=unmodified, baseline_peak_bytes=unmodified,
+                                min_feasible_bytes=budget_for_peak(unmodified),
+                                blocks=tuple(BlockChoice(i, 0, "keep", -1, -1.0) for i in range(n)))
+    return sized, (f"remat_plugin: {model}'s fallback checkpoints none of its {n} layers (they run under a torch.func "
+                   f"transform): measured {human_bytes(unmodified)} under a {human_bytes(plan.budget_bytes)} budget "
+                   f"(metered on {call.signature.describe()})")

@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from remat_plugin.capture.assigned_tensors import AssignedTensors
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
 from remat_plugin.capture.cast_cache import cast_by_the_model, share_parameter_casts
 from remat_plugin.capture.compiled_programs import compile_program
@@ -129,7 +130,7 @@ def _may_be_the_argument(local: object, argument: torch.Tensor) -> bool:
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
     """``torch.export``'s module, its autograd Functions kept (NOTE [autograd Functions]), with a
     :class:`CaptureError` that names the failing op or line."""
-    draws, hooks, graded = HostDraws(), ForwardHooks(), GradedTensors()
+    draws, hooks, graded, assigned = HostDraws(), ForwardHooks(), GradedTensors(), AssignedTensors()
     try:
         # suspended_user_modes: the caller's FLOP counter or memory tracker would meet fake tensors
         with suspended_user_modes(), reentrant_checkpoints_inlined(), opaque_functions(), draws.restored(), \
@@ -137,7 +138,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
                 partial_graph_unprinted(), batch_norm_laid_out_as_eager():
             # nn.LSTM/GRU/RNN keep a list of their weights that export's parameter swap rewrites: nothing to fix
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
-            with graded:
+            with graded, assigned.recorded(module):
                 exported = torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -212,6 +213,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     draws.check(type(module).__name__)  # NOTE [host random draws]
     hooks.check(type(module).__name__)  # NOTE [hooks in the forward]
     graded.check(module, args, kwargs)  # NOTE [graded constants]
+    assigned.check(type(module).__name__)  # NOTE [tensors the forward keeps]
     gm = restore_functions(exported.module())
     gm.meta[MUTATED_INPUTS_META] = mutated_inputs(exported)  # NOTE [inputs written by the forward]
     refuse_unreplayable_effects(gm, type(module).__name__)

@@ -1,0 +1,81 @@
+"""Tensors the forward stores on its modules (NOTE [tensors the forward keeps] in
+``remat_plugin/capture/assigned_tensors.py``): a planned step does not run the forward's Python, and torch.export
+left its fake tensors there.  Each test fails on the code before."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import nn
+
+from remat_plugin import rematerialize
+from remat_plugin.torch_private import FakeTensor
+
+
+class _Layers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3))
+
+
+class KeepsAuxiliaryLoss(_Layers):
+    """Stores a statistic in a dict it holds and an auxiliary loss the training loop adds, as some MoE code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        self.stats["norm"] = x.detach().norm()
+        self.aux_loss = x.abs().mean()
+        return x.square().mean()
+
+
+def test_a_forward_storing_a_statistic_and_an_auxiliary_loss_falls_back_and_trains_as_eager(caplog):
+    torch.manual_seed(0)
+    model = KeepsAuxiliaryLoss().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    assert planned.plan.fallback
+    assert "stores tensors on its modules (stats['norm'], aux_loss)" in caplog.text, caplog.text
+    assert not hasattr(model, "aux_loss") and model.stats == {}, "nothing of the trace left on the model"
+    for step in range(2):
+        for m, module in ((planned, model), (reference, reference)):
+            module.zero_grad(set_to_none=True)
+            loss = m(x * (step + 1))
+            (loss + 0.1 * module.aux_loss).backward()
+        assert torch.equal(model.stats["norm"], reference.stats["norm"])
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+class CachesATable(_Layers):
+    """Fills a table once, at its first call (as transformers' long-context rotary embeddings do)."""
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.table = torch.linspace(0.5, 1.5, 16, dtype=x.dtype)
+        x = x * self.table
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.square().mean()
+
+
+def test_a_cache_the_forward_fills_once_is_not_left_as_a_trace_s_fake_tensor():
+    torch.manual_seed(0)
+    model = CachesATable().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    assert not planned.plan.fallback
+    assert not isinstance(getattr(model, "table", None), FakeTensor)
+    for m in (planned, reference):
+        m(x).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))  # an eager call fills the table again, a real one
+    assert isinstance(model.table, torch.Tensor) and not isinstance(model.table, FakeTensor)

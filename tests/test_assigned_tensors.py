@@ -18,6 +18,11 @@ class _Layers(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3))
 
+    def residual(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
 
 class KeepsAuxiliaryLoss(_Layers):
     """Stores a statistic in a dict it holds and an auxiliary loss the training loop adds, as some MoE code does."""
@@ -27,8 +32,7 @@ class KeepsAuxiliaryLoss(_Layers):
         self.stats: dict[str, torch.Tensor] = {}
 
     def forward(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
+        x = self.residual(x)
         self.stats["norm"] = x.detach().norm()
         self.aux_loss = x.abs().mean()
         return x.square().mean()
@@ -59,10 +63,7 @@ class CachesATable(_Layers):
     def forward(self, x):
         if not hasattr(self, "table"):
             self.table = torch.linspace(0.5, 1.5, 16, dtype=x.dtype)
-        x = x * self.table
-        for layer in self.layers:
-            x = x + layer(x)
-        return x.square().mean()
+        return self.residual(x * self.table).square().mean()
 
 
 def test_a_cache_the_forward_fills_once_is_not_left_as_a_trace_s_fake_tensor():

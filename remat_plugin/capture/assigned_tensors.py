@@ -63,7 +63,7 @@ class AssignedTensors:
             yield
         finally:
             warnings.showwarning = shown
-            for name in dict.fromkeys(said):
+            for name in sorted(set(said)):  # torch names them in a set's order
                 path, _, attr = name.split("[")[0].rpartition(".")
                 sub = module.get_submodule(path) if path else module
                 value = vars(sub).get(attr)

@@ -66,6 +66,8 @@ class AssignedTensors:
             for name in sorted(set(said)):  # torch names them in a set's order
                 path, _, attr = name.split("[")[0].rpartition(".")
                 sub = module.get_submodule(path) if path else module
+                if _reparametrized(sub, attr):
+                    continue
                 value = vars(sub).get(attr)
                 if attr in before.get(id(sub), ()) or not _holds_fake(value) or _holds_fake(value, graded=True):
                     self.names.append(name)  # written at every call, or read by the loop (an auxiliary loss)
@@ -84,6 +86,13 @@ class AssignedTensors:
                 f"{', ...' if len(self.names) > 5 else ''}), which a planned step cannot do: it runs the traced graph, "
                 "not the forward's Python. Return such a tensor from forward (an auxiliary loss, an attention map), "
                 "or write it into a registered buffer in place (self.last.copy_(x))")
+
+
+def _reparametrized(module: nn.Module, attr: str) -> bool:
+    """``attr`` is the weight torch's hook-based reparametrisations (``prune``, ``spectral_norm``, the old
+    ``weight_norm``) recompute from their parameters before every forward: the graph computes it."""
+    params = dict(module.named_parameters(recurse=False))
+    return f"{attr}_orig" in params or (f"{attr}_g" in params and f"{attr}_v" in params)
 
 
 def _holds_fake(value: Any, depth: int = 0, graded: bool = False) -> bool:

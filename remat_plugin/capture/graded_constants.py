@@ -9,8 +9,9 @@ NOTE [graded constants]
     computed outside the step and handed over in an attribute (``model.context = encoder(x)``).  The planned
     step gave those no gradient while eager PyTorch gives them one: the optimizer silently stopped training them
     (found 2026-11-28).  While the model is exported, a function mode records every real tensor that requires
-    grad and is not one of the module's parameters or the call's tensors (the forward's own are fake there);
-    any such capture is refused, naming
+    grad and is not one of the module's parameters or the call's tensors (the forward's own are fake there): a
+    leaf, or a tensor computed outside that the model holds in an attribute (a framework's hook may hand the
+    forward another alias of an argument: FSDP2's post-backward registration).  Any such capture is refused, naming
     each tensor and the fix (an ``nn.Parameter`` or submodule of the model, or an argument of the call).  A model
     with repeated layers falls back to per-layer checkpointing, whose forward runs as written and gives those
     tensors their gradients.
@@ -48,9 +49,12 @@ class GradedTensors(TorchFunctionMode):
         """Raise :class:`CaptureError` if a tensor seen is none of ``module``'s parameters or the call's tensors."""
         own = {id(t) for t in (*module.parameters(), *module.buffers(), *pytree.tree_leaves((args, kwargs)))}
         foreign = [t for key, t in self.seen.items() if key not in own]
+        names = _names(module) if foreign else {}
+        # A tensor computed outside (not a leaf) counts where the model holds it: a framework's hook may hand the
+        # forward another alias of an argument (FSDP2's post-backward registration)
+        foreign = [t for t in foreign if t.is_leaf or id(t) in names]
         if not foreign:
             return
-        names = _names(module)
         said = list(dict.fromkeys(names.get(id(t), "a tensor from outside the model (a closure?)") for t in foreign))
         which = "which requires grad but is not a parameter" if len(said) == 1 else \
             "which require grad but are not parameters"

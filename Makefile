@@ -18,7 +18,8 @@ CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs
 	tests/test_module_hooks.py tests/test_replayed_shapes.py tests/test_hf_trainer.py \
 	tests/test_autograd_functions.py tests/test_host_random.py tests/test_module_attributes.py tests/test_hf_masks.py \
 	tests/test_interpolations.py tests/test_mixture_of_experts.py tests/test_profiled_inputs.py tests/test_tensor_checks.py \
-	tests/test_recurrent_layers.py tests/test_draw_order.py tests/test_stride_fallbacks.py tests/test_cast_cache.py
+	tests/test_recurrent_layers.py tests/test_draw_order.py tests/test_stride_fallbacks.py tests/test_cast_cache.py \
+	tests/test_graded_constants.py tests/test_assigned_tensors.py tests/test_tensor_hooks.py
 # On torch 2.14 the budget sweeps (test_api's and the mixed-precision ones, ~200 s) and the second compiled model
 # are left out: the other tests of those files reach the same torch APIs (export, the partitioner,
 # traced_like_eager, inductor) in far less time.  CI's budget is 30 minutes for both runs and the set-up.

@@ -33,3 +33,39 @@ def test_an_embedding_without_max_norm_plans():
     planned = rematerialize(model, (ids,), {}, budget=10**12, verbose=False)
     planned(ids).backward()
     assert model.embed.weight.grad is not None
+
+
+class Clipped(nn.Module):
+    """Clips its first layer's weight under torch.no_grad() in its forward (a WGAN critic's constraint): export wraps
+    the write in a no-grad region of its own graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(3))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.layers[0][0].weight.clamp_(-0.1, 0.1)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.square().mean()
+
+
+def test_a_weight_clipped_under_no_grad_in_the_forward_falls_back_and_trains_as_eager(caplog):
+    """Its first step failed with autograd's bare leaf-variable error (the write inside the no-grad region went
+    unseen); it is refused naming the parameter, and the model's layers fall back: 3 steps bitwise eager's."""
+    import copy
+    import logging
+
+    torch.manual_seed(0)
+    model = Clipped().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    assert planned.plan.fallback and "writes into its parameter layers.0.0.weight in place" in caplog.text
+    for step in range(3):
+        for m in (planned, reference):
+            m(x * (step + 1)).backward()
+    assert all(torch.equal(p, q) and torch.equal(p.grad, q.grad)
+               for p, q in zip(model.parameters(), reference.parameters()))

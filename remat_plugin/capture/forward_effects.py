@@ -31,11 +31,8 @@ def mutated_inputs(exported: torch.export.ExportedProgram) -> frozenset[int]:
     user = [spec.arg.name for spec in exported.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
     position = {name: i for i, name in enumerate(user)}
     found: set[int] = set()
-    for _, value in _written_args(exported.graph):
-        while value.op == "call_function" and isinstance(value.target, OpOverload) and value.args and \
-                value.target._schema.returns and value.target._schema.returns[0].alias_info is not None and \
-                isinstance(value.args[0], torch.fx.Node):
-            value = value.args[0]  # through views to the tensor they look at
+    for _, written in _written_args(exported.graph):
+        value = _aliased(written)  # through views to the tensor they look at
         if value.op == "placeholder" and value.name in position:
             found.add(position[value.name])
     return frozenset(found)
@@ -72,24 +69,57 @@ def _refuse_own_generators(gm: torch.fx.GraphModule, model: str) -> None:
 
 
 def _refuse_parameter_updates(gm: torch.fx.GraphModule, model: str) -> None:
-    """A forward that writes into a parameter through a detached alias (``nn.Embedding(max_norm=...)`` renormalizes
-    the rows it looks up) cannot run as a traced step: AOTAutograd writes the update back into the parameter where
-    autograd forbids it, and the step failed with autograd's bare "a leaf Variable that requires grad is being used in
-    an in-place operation".  It is refused at capture, naming the op and the model's line."""
-    for node, alias in _written_args(gm.graph):
-        if not (alias.target is torch.ops.aten.detach.default and isinstance(alias.args[0], torch.fx.Node)
-                and alias.args[0].op == "get_attr"):
+    """A forward that writes into a parameter in place (``nn.Embedding(max_norm=...)`` renormalizes the rows it looks
+    up through a detached alias; weight clipping under ``torch.no_grad()``) cannot run as a traced step: AOTAutograd
+    writes the update back into the parameter where autograd forbids it, and the step failed with autograd's bare "a
+    leaf Variable that requires grad is being used in an in-place operation".  It is refused at capture, naming the
+    op and the model's line."""
+    for node, base in _written_bases(gm, gm.graph, {}):
+        if base.op != "get_attr":
             continue
         value: Any = gm
-        for part in str(alias.args[0].target).split("."):
+        for part in str(base.target).split("."):
             value = getattr(value, part, None)
         if isinstance(value, nn.Parameter) and value.requires_grad:
             line = traced_line(node)
             raise CaptureError(
-                f"remat_plugin.capture: {model}'s forward writes into its parameter {alias.args[0].target} in place "
-                f"({node.target}{' at ' + line if line else ''}; nn.Embedding(max_norm=...) does so), which a planned "
-                "step cannot replay: renormalize the weight outside the forward (under torch.no_grad(), before the "
-                "step) and build the module without max_norm")
+                f"remat_plugin.capture: {model}'s forward writes into its parameter {base.target} in place "
+                f"({node.target}{' at ' + line if line else ''}; nn.Embedding(max_norm=...) and weight clipping do "
+                "so), which a planned step cannot replay: update the weight outside the forward (under "
+                "torch.no_grad(), before the step; build an nn.Embedding without max_norm)")
+
+
+def _written_bases(gm: torch.fx.GraphModule, graph: torch.fx.Graph,
+                   outer: dict[torch.fx.Node, torch.fx.Node]) -> Iterator[tuple[torch.fx.Node, torch.fx.Node]]:
+    """``(op, tensor it writes into)`` through views, also inside the regions export wraps in a higher-order op with
+    their own graph (a ``torch.no_grad()`` block: ``wrap_with_set_grad_enabled``), whose placeholders ``outer`` maps
+    to the operands outside."""
+    for node, written in _written_args(graph):
+        base = _aliased(written)
+        while base in outer:
+            base = _aliased(outer[base])
+        yield node, base
+    for node in graph.nodes:
+        if node.op != "call_function" or isinstance(node.target, OpOverload):
+            continue
+        at = next((i for i, a in enumerate(node.args) if isinstance(a, torch.fx.Node) and a.op == "get_attr"
+                   and isinstance(getattr(gm, str(a.target), None), torch.fx.GraphModule)), None)
+        if at is None:
+            continue
+        region = getattr(gm, str(node.args[at].target))
+        placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
+        operands = [a for a in node.args[at + 1:]]
+        inner = {p: a for p, a in zip(placeholders, operands) if isinstance(a, torch.fx.Node)}
+        yield from _written_bases(region, region.graph, {**outer, **inner})
+
+
+def _aliased(value: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``value`` looks at, through the views and detaches that alias it."""
+    while value.op == "call_function" and isinstance(value.target, OpOverload) and value.args and \
+            value.target._schema.returns and value.target._schema.returns[0].alias_info is not None and \
+            isinstance(value.args[0], torch.fx.Node):
+        value = value.args[0]
+    return value
 
 
 def refuse_unreplayable_effects(gm: torch.fx.GraphModule, model: str) -> None:

@@ -75,3 +75,17 @@ def assert_same_grads_and_buffers(module, reference, label: str) -> None:
         assert torch.equal(p.grad, q.grad), f"{label}: gradient of {name} differs"
     for (name, b), c in zip(module.named_buffers(), reference.buffers()):
         assert torch.equal(b, c), f"{label}: buffer {name} differs"
+
+
+def planned_beside_eager(model, args: tuple, caplog, budget: int = 10**9):
+    """``(planned, reference)``: ``model`` planned under ``budget`` on ``args``, remat_plugin's warnings captured in
+    ``caplog``, and the eager deep copy made before it was planned, for the tests that compare the two."""
+    import copy
+    import logging
+
+    from remat_plugin import rematerialize
+
+    reference = copy.deepcopy(model)
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        planned = rematerialize(model, args, budget=budget, verbose=False)
+    return planned, reference

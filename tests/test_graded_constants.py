@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from budgets import planned_beside_eager
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -45,10 +46,8 @@ class SoftPrompted(nn.Module):
 def test_a_tensor_attribute_and_a_global_that_require_grad_fall_back_and_get_eager_s_gradients(caplog):
     torch.manual_seed(0)
     model = SoftPrompted().double()
-    reference = copy.deepcopy(model)  # its own copies of the prompt and the temperature
     x = torch.randn(256, 32, dtype=torch.float64)
-    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
-        planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,), caplog)  # its own copies of the prompt and temperature
     assert planned.plan.fallback
     for said in ("'prompt' (not registered with the model)", "'temperature' (not registered with the model)",
                  "'extra[0].weight' (not registered with the model)", "the global 'SHARED.bias' of", "Make it an nn."):

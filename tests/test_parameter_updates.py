@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from budgets import planned_beside_eager
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -54,15 +55,10 @@ class Clipped(nn.Module):
 def test_a_weight_clipped_under_no_grad_in_the_forward_falls_back_and_trains_as_eager(caplog):
     """Its first step failed with autograd's bare leaf-variable error (the write inside the no-grad region went
     unseen); it is refused naming the parameter, and the model's layers fall back: 3 steps bitwise eager's."""
-    import copy
-    import logging
-
     torch.manual_seed(0)
     model = Clipped().double()
-    reference = copy.deepcopy(model)
     x = torch.randn(32, 16, dtype=torch.float64)
-    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
-        planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,), caplog)
     assert planned.plan.fallback and "writes into its parameter layers.0.0.weight in place" in caplog.text
     for step in range(3):
         for m in (planned, reference):

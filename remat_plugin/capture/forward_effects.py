@@ -108,8 +108,7 @@ def _written_bases(gm: torch.fx.GraphModule, graph: torch.fx.Graph,
             continue
         region = getattr(gm, str(node.args[at].target))
         placeholders = [n for n in region.graph.nodes if n.op == "placeholder"]
-        operands = [a for a in node.args[at + 1:]]
-        inner = {p: a for p, a in zip(placeholders, operands) if isinstance(a, torch.fx.Node)}
+        inner = {p: a for p, a in zip(placeholders, node.args[at + 1:]) if isinstance(a, torch.fx.Node)}
         yield from _written_bases(region, region.graph, {**outer, **inner})
 
 

@@ -46,8 +46,8 @@ def unobserved(module: nn.Module, device: torch.device, inputs: Sequence[torch.T
         a buffer of its own; ``p.register_post_accumulate_grad_hook``: an optimizer stepped inside backward) are
         the caller's training step's, not ours: inside, they do not run.  A metered step (calibration, a
         fallback's sizing, an FSDP2 step, an auto-batch-size trial) ran them once more per step, and an
-        optimizer stepped in backward took a step on the trial's gradients.  What such a hook allocates (a
-        clamped gradient) is then not in the metered peak: at most one parameter's gradient at a time."""
+        optimizer stepped in backward took a step on the trial's gradients.  What such a hook allocates is then
+        not in the metered peak (a hook clamping gradients: one parameter's gradient at a time)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module), \
             restored_inputs(inputs), HostDraws().restored(), suspended_tensor_hooks(module.parameters()):
         yield

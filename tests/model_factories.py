@@ -66,3 +66,21 @@ def gpt2_as_built(batch_size: int, seq_len: int):
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=200, n_positions=max(64, seq_len)))
     ids = torch.randint(0, 200, (batch_size, seq_len))
     return model, (), {"input_ids": ids, "labels": ids}
+
+
+class ResidualLayers(nn.Module):
+    """``n`` residual layers ``x + Linear(Activation(Linear(x)))`` (a dropout before the second Linear when ``dropout``)
+    in a ModuleList: repeated layers a fallback can checkpoint; subclasses write the forward around
+    :meth:`residual`."""
+
+    def __init__(self, width: int, hidden: int, n: int = 3, activation: type[nn.Module] = nn.Tanh,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, hidden), activation(), *([nn.Dropout(dropout)] if dropout else []),
+                          nn.Linear(hidden, width)) for _ in range(n))
+
+    def residual(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x

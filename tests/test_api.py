@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 from budgets import settle, sweep
+from model_factories import ResidualLayers
 from torch import nn
 
 from remat_plugin import CaptureError, InfeasibleBudgetError, rematerialize
@@ -660,22 +661,16 @@ def test_a_fallback_made_inside_the_first_call_is_metered_before_it_runs():
     assert rm.plan.predicted_peak_bytes == rm.plan.baseline_peak_bytes > 0
 
 
-class _JacobianPenalty(nn.Module):
+class _JacobianPenalty(ResidualLayers):
     """Its forward takes the input Jacobian of its layers with torch.func (a contractive penalty): no graph, and
     torch.func refuses the saved-tensor hooks of checkpointing."""
 
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8)) for _ in range(3))
-
-    def features(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
+        super().__init__(8, 32)
 
     def forward(self, x):
-        jacobian = torch.func.vmap(torch.func.jacrev(lambda v: self.features(v).sum(-1, keepdim=True)))(x)
-        return self.features(x).square().mean() + jacobian.square().mean()
+        jacobian = torch.func.vmap(torch.func.jacrev(lambda v: self.residual(v).sum(-1, keepdim=True)))(x)
+        return self.residual(x).square().mean() + jacobian.square().mean()
 
 
 def test_a_fallback_whose_layers_run_under_torch_func_runs_them_unmodified_or_refuses_the_budget():

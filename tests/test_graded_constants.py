@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 from budgets import planned_beside_eager
+from model_factories import ResidualLayers
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -19,13 +20,11 @@ TEMPERATURE = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)  # lear
 SHARED = nn.Linear(32, 32).double()  # a layer shared with another model, outside this one
 
 
-class SoftPrompted(nn.Module):
+class SoftPrompted(ResidualLayers):
     """A soft prompt kept as a plain tensor attribute, a fixed offset beside it, and a global learnable temperature."""
 
     def __init__(self, layers: int = 4, as_parameters: bool = False):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32))
-                                    for _ in range(layers))
+        super().__init__(32, 128, n=layers, activation=nn.GELU, dropout=0.1)
         self.prompt = torch.randn(1, 32, dtype=torch.float64, requires_grad=True)
         self.offset = torch.ones(32, dtype=torch.float64)  # no gradient: a constant, as before
         self.temperature = TEMPERATURE
@@ -38,9 +37,7 @@ class SoftPrompted(nn.Module):
         x = x + self.prompt + self.offset
         if not isinstance(self.prompt, nn.Parameter):
             x = x + self.extra[0](x) + SHARED(x)
-        for layer in self.layers:
-            x = x + layer(x)
-        return (x * self.temperature).pow(2).mean()
+        return (self.residual(x) * self.temperature).pow(2).mean()
 
 
 def test_a_tensor_attribute_and_a_global_that_require_grad_fall_back_and_get_eager_s_gradients(caplog):
@@ -111,17 +108,13 @@ def test_a_global_is_named_and_the_same_tensors_as_parameters_are_planned(caplog
 def test_a_tensor_computed_outside_and_handed_over_in_an_attribute_falls_back_and_trains_its_encoder(caplog):
     """``model.context = encoder(...)`` before each call: the planned step held the first context as a constant, so
     the encoder got no gradient."""
-    class Conditioned(nn.Module):
+    class Conditioned(ResidualLayers):
         def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(3))
+            super().__init__(32, 64)
             self.context = None
 
         def forward(self, x):
-            x = x + self.context
-            for layer in self.layers:
-                x = x + layer(x)
-            return x.pow(2).mean()
+            return self.residual(x + self.context).pow(2).mean()
 
     torch.manual_seed(0)
     model, encoder = Conditioned().double(), nn.Linear(32, 32).double()

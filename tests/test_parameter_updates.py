@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from budgets import planned_beside_eager
+from model_factories import ResidualLayers
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -36,20 +37,17 @@ def test_an_embedding_without_max_norm_plans():
     assert model.embed.weight.grad is not None
 
 
-class Clipped(nn.Module):
+class Clipped(ResidualLayers):
     """Clips its first layer's weight under torch.no_grad() in its forward (a WGAN critic's constraint): export wraps
     the write in a no-grad region of its own graph."""
 
     def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(3))
+        super().__init__(16, 32)
 
     def forward(self, x):
         with torch.no_grad():
             self.layers[0][0].weight.clamp_(-0.1, 0.1)
-        for layer in self.layers:
-            x = x + layer(x)
-        return x.square().mean()
+        return self.residual(x).square().mean()
 
 
 def test_a_weight_clipped_under_no_grad_in_the_forward_falls_back_and_trains_as_eager(caplog):

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 from budgets import step_grads
+from model_factories import ResidualLayers
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -82,21 +83,17 @@ def test_a_parameter_hook_registered_before_training_runs_on_the_planned_step():
         assert ours[0].abs().max() <= 1e-3
 
 
-class _Layers(nn.Module):
+class _Layers(ResidualLayers):
     """Four residual layers with dropout; ``branch``: a data-dependent ``if`` leaves it without a graph."""
 
     def __init__(self, branch: bool):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 32))
-                                    for _ in range(4))
+        super().__init__(32, 128, n=4, activation=nn.GELU, dropout=0.1)
         self.branch = branch
 
     def forward(self, x):
         if self.branch and x.sum() > 1e9:
             x = x * 2
-        for layer in self.layers:
-            x = x + layer(x)
-        return x.pow(2).mean()
+        return self.residual(x).pow(2).mean()
 
 
 @pytest.mark.parametrize("branch", [False, True], ids=["planned", "fallback"])

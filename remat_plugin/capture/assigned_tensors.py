@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from remat_plugin.capture.graded_constants import tensors_held
 from remat_plugin.errors import CaptureError
 from remat_plugin.torch_private import FakeTensor
 
@@ -95,12 +96,6 @@ def _reparametrized(module: nn.Module, attr: str) -> bool:
     return f"{attr}_orig" in params or (f"{attr}_g" in params and f"{attr}_v" in params)
 
 
-def _holds_fake(value: Any, depth: int = 0, graded: bool = False) -> bool:
+def _holds_fake(value: Any, graded: bool = False) -> bool:
     """``value`` is, or holds in a list or dict, a fake tensor (one requiring grad, with ``graded``)."""
-    if isinstance(value, FakeTensor):
-        return value.requires_grad or not graded
-    if depth < 2 and isinstance(value, (list, tuple)):
-        return any(_holds_fake(v, depth + 1, graded) for v in value[:64])
-    if depth < 2 and isinstance(value, dict):
-        return any(_holds_fake(v, depth + 1, graded) for v in list(value.values())[:64])
-    return False
+    return any(isinstance(t, FakeTensor) and (t.requires_grad or not graded) for _, t in tensors_held(value))

@@ -35,7 +35,7 @@ from remat_plugin.capture.dropped_tangents import (
     some_gradient_reads_part_of_the_tangents,
 )
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
-from remat_plugin.capture.graded_constants import GradedTensors
+from remat_plugin.capture.graded_constants import PASSING_ON, GradedTensors
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place, sums_in_place
@@ -149,7 +149,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             frames.append(tb.tb_frame)
             tb = tb.tb_next
         user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename and f.f_code.co_filename != __file__
-                and f.f_code is not GradedTensors.__torch_function__.__code__]  # the mode records and passes on
+                and f.f_code is not PASSING_ON]
         line = ""
         if user:
             f = user[-1]

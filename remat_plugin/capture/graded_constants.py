@@ -65,6 +65,9 @@ class GradedTensors(TorchFunctionMode):
             "list), or pass it as an argument of the call")
 
 
+PASSING_ON = GradedTensors.__torch_function__.__code__  # the frame of a call the mode records and passes on
+
+
 def _names(module: nn.Module) -> dict[int, str]:
     """How to name the tensors the model reaches without registering them: by attribute path from the model, else
     as a global of a file defining one of its modules."""
@@ -72,17 +75,18 @@ def _names(module: nn.Module) -> dict[int, str]:
     for path, sub in module.named_modules():
         for attr, value in vars(sub).items():
             if not attr.startswith("_"):
-                for inner, tensor in _tensors_in(value, f"{path}.{attr}" if path else attr):
+                for inner, tensor in tensors_held(value, f"{path}.{attr}" if path else attr):
                     found.setdefault(id(tensor), f"{inner!r} (not registered with the model)")
     for sub in module.modules():
         for name, value in vars(sys.modules.get(type(sub).__module__, sys)).items():
-            for inner, tensor in _tensors_in(value, name):
+            for inner, tensor in tensors_held(value, name):
                 found.setdefault(id(tensor), f"the global {inner!r} of {type(sub).__module__}")
     return found
 
 
-def _tensors_in(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors ``value`` holds (itself, a module's parameters, a list's or dict's items), named from ``name``."""
+def tensors_held(value: Any, name: str = "", depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors ``value`` holds (itself, a module's parameters, a list's or dict's items, two levels deep, 64
+    items each), named from ``name``."""
     if isinstance(value, torch.Tensor):
         yield name, value
     elif isinstance(value, nn.Module):
@@ -90,7 +94,7 @@ def _tensors_in(value: Any, name: str, depth: int = 0) -> Iterator[tuple[str, to
             yield f"{name}.{pname}", p
     elif isinstance(value, (list, tuple)) and depth < 2:
         for i, item in enumerate(value[:64]):
-            yield from _tensors_in(item, f"{name}[{i}]", depth + 1)
+            yield from tensors_held(item, f"{name}[{i}]", depth + 1)
     elif isinstance(value, dict) and depth < 2:
         for key, item in list(value.items())[:64]:
-            yield from _tensors_in(item, f"{name}[{key!r}]", depth + 1)
+            yield from tensors_held(item, f"{name}[{key!r}]", depth + 1)

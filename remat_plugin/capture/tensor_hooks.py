@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from remat_plugin.capture.graded_constants import GradedTensors
+from remat_plugin.capture.graded_constants import PASSING_ON
 from remat_plugin.errors import CaptureError
 
 _TORCH_FILES = ("site-packages/torch/", "/torch/_")  # torch's own calls, installed or from a source tree
-_PASSED_ON = GradedTensors.__torch_function__.__code__  # NOTE [graded constants]: the mode export runs under
 
 
 class ForwardHooks:
@@ -42,7 +41,7 @@ class ForwardHooks:
                 caller = sys._getframe(1)
                 where = caller.f_code.co_filename
                 # a call through the graded-tensors mode is that mode passing on a call already recorded
-                if not any(part in where for part in _TORCH_FILES) and caller.f_code is not _PASSED_ON:
+                if not any(part in where for part in _TORCH_FILES) and caller.f_code is not PASSING_ON:
                     self.calls.append(f"{name}() at {where}:{caller.f_lineno}")
                 return original(tensor, *args, **kwargs)
 

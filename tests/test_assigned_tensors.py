@@ -72,3 +72,28 @@ def test_a_cache_the_forward_fills_once_is_not_left_as_a_trace_s_fake_tensor():
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))  # an eager call fills the table again, a real one
     assert isinstance(model.table, torch.Tensor) and not isinstance(model.table, FakeTensor)
+
+
+class KeepsItsLastOutput(_Layers):
+    """Stores what it computed at each call in an attribute its ``__init__`` never set (an attention map kept for
+    plotting): new to the module after the trace and holding no gradient, as a cache does, but computed from the
+    call."""
+
+    def forward(self, x):
+        x = self.residual(x)
+        self.last = x.detach()
+        return x.square().mean()
+
+
+def test_a_new_attribute_computed_from_the_call_is_set_at_every_step_not_taken_for_a_cache(caplog):
+    torch.manual_seed(0)
+    model = KeepsItsLastOutput().double()
+    x = torch.randn(32, 16, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,), caplog)
+    assert planned.plan.fallback, "a planned step would never set model.last"
+    assert "stores tensors on its modules (last)" in caplog.text, caplog.text
+    for step in range(2):
+        for m in (planned, reference):
+            m(x * (step + 1)).backward()
+        assert torch.equal(model.last, reference.last)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

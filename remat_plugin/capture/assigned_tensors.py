@@ -7,12 +7,16 @@ NOTE [tensors the forward keeps]
     raised, or a loop's auxiliary loss mixed a fake tensor into the real one) and only printed a warning (found
     2026-11-28).  torch's own check names the attributes (and list or dict entries) the trace assigned tensors
     to, and puts back those that existed before; its warning is kept, and the attributes new to the module, which
-    it leaves holding fake tensors, are removed.  A new attribute holding a tensor with no gradient is taken for
-    a cache the forward fills once (Phi-3's long-context rotary frequencies): removed, so an eager call fills it
-    again, and the capture goes on.  Any other (an attribute that existed, written at every call; a tensor
-    requiring grad, which a loop reads as a loss) refuses the capture, naming them and the fix (return the tensor from ``forward``, or write
-    it into a registered buffer in place: ``self.last.copy_(x)``).  A model with repeated layers falls back to
-    per-layer checkpointing, whose forward runs as written and sets them at every step.
+    it leaves holding fake tensors, are removed.  A new attribute holding a tensor with no gradient, built from
+    constants only (not from the call's arguments, parameters or buffers: :class:`CallDerived` follows them
+    through a second trace, run only for such models, since following every call costs a sixth of an export), is
+    taken for a cache the forward fills once (Phi-3's long-context rotary frequencies):
+    removed, so an eager call fills it again, and the capture goes on.  Any other (an attribute that existed, or
+    a new one computed from the call, both written at every call, which a planned step would leave unset or
+    stale: ``self.last = x.detach()``; a tensor requiring grad, which a loop reads as a loss) refuses the capture,
+    naming them and the fix (return the tensor from ``forward``, or write it into a registered buffer in place:
+    ``self.last.copy_(x)``).  A model with repeated layers falls back to per-layer checkpointing, whose forward
+    runs as written and sets them at every step.
 """
 from __future__ import annotations
 
@@ -23,16 +27,43 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from remat_plugin.capture.graded_constants import tensors_held
 from remat_plugin.errors import CaptureError
-from remat_plugin.torch_private import FakeTensor
+from remat_plugin.torch_private import FakeTensor, pytree
 
 log = logging.getLogger(__name__)
 
 # what torch.export warns when the trace assigned tensor attributes (torch/_functorch/_aot_autograd/frontend_utils.py)
 _TORCH_SAYS = re.compile(r"The tensor attributes? (.*) (?:were|was) assigned during export")
+
+
+class CallDerived(TorchFunctionMode):
+    """Follows, through a trace, which tensors are computed from the call: from a fake tensor the trace did not
+    make itself (an argument, a parameter, a buffer), as opposed to one built from constants (``torch.arange``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, torch.Tensor] = {}  # every tensor a call returned, held so that no id is reused
+        self.derived: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        derived = any(isinstance(a, FakeTensor) and (id(a) in self.derived or id(a) not in self.made)
+                      for a in pytree.tree_leaves((args, kwargs)))
+        out = func(*args, **kwargs)
+        for o in (out,) if isinstance(out, torch.Tensor) else pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                self.made[id(o)] = o
+                if derived:
+                    self.derived.add(id(o))
+        return out
+
+    def holds_derived(self, value: Any) -> bool:
+        return any(id(t) in self.derived for _, t in tensors_held(value))
 
 
 class AssignedTensors:
@@ -45,7 +76,8 @@ class AssignedTensors:
         self.caches: list[str] = []
 
     @contextlib.contextmanager
-    def recorded(self, module: nn.Module) -> Iterator[None]:
+    def recorded(self, module: nn.Module, derived: CallDerived | None = None) -> Iterator[None]:
+        """``derived``: followed through the trace, which new attributes' tensors are computed from the call."""
         before = {id(sub): set(vars(sub)) for sub in module.modules()}
         shown = warnings.showwarning
         said: list[str] = []
@@ -61,7 +93,8 @@ class AssignedTensors:
         warnings.filterwarnings("always", message=_TORCH_SAYS.pattern)
         warnings.showwarning = show
         try:
-            yield
+            with derived if derived is not None else contextlib.nullcontext():
+                yield
         finally:
             warnings.showwarning = shown
             for name in sorted(set(said)):  # torch names them in a set's order
@@ -70,7 +103,8 @@ class AssignedTensors:
                 if _reparametrized(sub, attr):
                     continue
                 value = vars(sub).get(attr)
-                if attr in before.get(id(sub), ()) or not _holds_fake(value) or _holds_fake(value, graded=True):
+                if attr in before.get(id(sub), ()) or not _holds_fake(value) or _holds_fake(value, graded=True) \
+                        or (derived is not None and derived.holds_derived(value)):
                     self.names.append(name)  # written at every call, or read by the loop (an auxiliary loss)
                 else:
                     self.caches.append(name)

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from remat_plugin.capture.assigned_tensors import AssignedTensors
+from remat_plugin.capture.assigned_tensors import AssignedTensors, CallDerived
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
 from remat_plugin.capture.cast_cache import cast_by_the_model, share_parameter_casts
 from remat_plugin.capture.compiled_programs import compile_program
@@ -35,7 +35,7 @@ from remat_plugin.capture.dropped_tangents import (
     some_gradient_reads_part_of_the_tangents,
 )
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
-from remat_plugin.capture.graded_constants import PASSING_ON, GradedTensors
+from remat_plugin.capture.graded_constants import GradedTensors, passing_on
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place, sums_in_place
@@ -140,6 +140,12 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             warnings.filterwarnings("ignore", message=_RECURRENT_WEIGHTS_WARNING)
             with graded, assigned.recorded(module):
                 exported = torch.export.export(module, args, kwargs, strict=False)
+            if assigned.caches and not hooks.calls:
+                # new attributes with no gradient: caches, or computed from the call? A second trace follows the
+                # call's tensors, for such models only (NOTE [tensors the forward keeps])
+                assigned = AssignedTensors()
+                with assigned.recorded(module, CallDerived()):
+                    torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         where = ""
@@ -149,7 +155,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             frames.append(tb.tb_frame)
             tb = tb.tb_next
         user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename and f.f_code.co_filename != __file__
-                and f.f_code is not PASSING_ON]
+                and not passing_on(f.f_code)]
         line = ""
         if user:
             f = user[-1]

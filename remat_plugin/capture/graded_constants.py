@@ -18,8 +18,10 @@ NOTE [graded constants]
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
+from types import CodeType
 from typing import Any
 
 import torch
@@ -65,7 +67,13 @@ class GradedTensors(TorchFunctionMode):
             "list), or pass it as an argument of the call")
 
 
-PASSING_ON = GradedTensors.__torch_function__.__code__  # the frame of a call the mode records and passes on
+def passing_on(code: CodeType) -> bool:
+    """``code`` is one of the capture's function modes passing on a call it recorded (this one, and
+    :class:`remat_plugin.capture.assigned_tensors.CallDerived`): its frame is none of the model's lines."""
+    return code.co_name == "__torch_function__" and os.path.dirname(code.co_filename) == _CAPTURE_DIR
+
+
+_CAPTURE_DIR = os.path.dirname(__file__)
 
 
 def _names(module: nn.Module) -> dict[int, str]:

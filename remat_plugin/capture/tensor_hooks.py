@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from remat_plugin.capture.graded_constants import PASSING_ON
+from remat_plugin.capture.graded_constants import passing_on
 from remat_plugin.errors import CaptureError
 
 _TORCH_FILES = ("site-packages/torch/", "/torch/_")  # torch's own calls, installed or from a source tree
@@ -40,8 +40,8 @@ class ForwardHooks:
             def method(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
                 caller = sys._getframe(1)
                 where = caller.f_code.co_filename
-                # a call through the graded-tensors mode is that mode passing on a call already recorded
-                if not any(part in where for part in _TORCH_FILES) and caller.f_code is not PASSING_ON:
+                # a call through one of the capture's function modes is that mode passing on a call already recorded
+                if not any(part in where for part in _TORCH_FILES) and not passing_on(caller.f_code):
                     self.calls.append(f"{name}() at {where}:{caller.f_lineno}")
                 return original(tensor, *args, **kwargs)
 

@@ -347,3 +347,34 @@ def test_tensor_attributes_inside_repeated_layers_plan():
     for i in range(2):
         _step(rm, ref, f"step {i}")
     assert rm.plan is not None and not rm.plan.fallback
+
+
+class _ToggledAuxiliary(nn.Module):
+    """Residual layers (which a layered trace does not splice: each is traced whole) and a flag a curriculum
+    toggles between steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16)) for _ in range(3))
+        self.use_aux = True
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.square().mean() + (x.abs().mean() if self.use_aux else 0)
+
+
+def test_a_value_toggled_back_takes_effect_in_a_model_traced_whole():
+    """The step re-planned after the first change exported the model again, whole, and lost its guard: toggling
+    back ran the other branch's step (found 2026-11-29)."""
+    torch.manual_seed(0)
+    model = _ToggledAuxiliary().double()
+    reference = copy.deepcopy(model)
+    planned = rematerialize(model, (torch.randn(32, 16, dtype=torch.float64),), budget=10**9, verbose=False)
+    x = torch.randn(32, 16, dtype=torch.float64)
+    for use_aux in (True, False, False, True, False):
+        model.use_aux = reference.use_aux = use_aux
+        for m, module in ((planned, model), (reference, reference)):
+            module.zero_grad(set_to_none=True)
+            m(x).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), use_aux

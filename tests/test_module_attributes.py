@@ -378,3 +378,33 @@ def test_a_value_toggled_back_takes_effect_in_a_model_traced_whole():
             module.zero_grad(set_to_none=True)
             m(x).backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())), use_aux
+
+
+class _ClassScaled(nn.Module):
+    """Reads a value its class holds (as transformers' attention classes hold ``is_causal``) and a default."""
+
+    scale = 1.0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.lin(x) * self.scale * getattr(self, "extra", 1.0)).square().mean()
+
+
+def test_a_value_set_on_the_module_over_its_class_s_takes_effect(caplog):
+    """Setting ``model.scale`` adds a name to the module's ``__dict__``, which the guard did not watch: the planned
+    step kept the class's value (NOTE [values set on the module], found 2026-11-29)."""
+    torch.manual_seed(0)
+    model = _ClassScaled().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    for attr, value in (("scale", 1.0), ("scale", 3.0), ("extra", 0.5), ("scale", 1.0)):
+        setattr(model, attr, value)
+        setattr(reference, attr, value)
+        with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+            assert torch.equal(planned(x), reference(x)), (attr, value)
+    assert "scale (3.0, traced with no value of the module's own" in caplog.text, caplog.text
+    assert planned._resolver.n_solved + planned._resolver.n_replayed == 4, "1.0 over the class's 1.0 changes nothing"

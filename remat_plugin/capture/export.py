@@ -687,8 +687,9 @@ def build_step(
 
     def traced_whole() -> Callable:
         """The step traced with every layer (a model whose layers turned out not to splice)."""
-        whole = export_module(module, args, kwargs)
-        whole.meta[GUARD_META] = step.exported.meta.get(GUARD_META)  # the same forward's values, for a re-plan's reuse
+        whole, layered = export_module(module, args, kwargs), step.exported
+        assert layered is not None
+        whole.meta[GUARD_META] = layered.meta.get(GUARD_META)  # the same forward's values, for a re-plan's reuse
         step.exported = whole
         return traced()
 

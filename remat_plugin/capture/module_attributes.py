@@ -46,6 +46,15 @@ NOTE [values the forward sets]
     only, such as an ActNorm initialising itself from the first batch), puts the values back and
     keeps the first trace, as before.
 
+NOTE [values set on the module]
+    A forward may read a value its module does not hold itself: a class attribute (``Dropout``-like modules
+    reading ``self.p`` set on the class, transformers attention classes' ``is_causal``) or a default
+    (``getattr(self, "scale", 1.0)``).  Setting it on the module after planning (``model.p = 0.5``) adds a
+    name to the module's ``__dict__``, which the guard, made of the names it held, did not see: the planned step
+    ran the old value, silently (found 2026-11-29).  Each module's guard also holds the names its ``__dict__``
+    had as the traced forward returned; a plain value set under a new name since is a changed value, captured
+    again like the others (and left out of the guard if the forward turns out not to read it).
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -79,6 +88,8 @@ _told_changed: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyD
 
 _SWAPPED = object()  # a submodule replaced, added or removed
 _CHILDREN = "<submodules>"  # an entry for a module's submodules, by name and identity: one replaced is another graph
+_OWN = "<attributes>"  # an entry for the names a module's __dict__ holds (NOTE [values set on the module])
+_UNSET = object()  # the module held no value of its own when traced: the forward read its class's, or none
 
 
 def _children(module: Any) -> tuple[tuple[str, int], ...]:
@@ -106,6 +117,7 @@ def snapshot(module: nn.Module) -> list[Entry]:
     configs: dict[int, tuple[str, Any]] = {}
     for path, sub in module.named_modules():
         entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
+        entries.append((sub, _OWN, frozenset(sub.__dict__), f"{path}.{_OWN}" if path else _OWN))
         for name, v in sub.__dict__.items():
             if _plain(v):
                 entries.append((sub, name, v, f"{path}.{name}" if path else name))
@@ -126,6 +138,15 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
                 base, was = where[: -len(_CHILDREN)], dict(value)
                 out.extend((f"{base}{k}", _SWAPPED, _SWAPPED) for k in sorted(set(was) | set(now_children))
                            if was.get(k) != now_children.get(k) and f"{base}{k}" not in skip)
+            continue
+        if name is _OWN:  # NOTE [values set on the module]
+            own = vars(owner)
+            if len(own) != len(value) or not value.issuperset(own):
+                base = where[: -len(_OWN)]
+                # a value equal to the class's it shadows changes nothing (and would be found "not read")
+                out.extend((f"{base}{k}", v, _UNSET) for k, v in own.items()
+                           if k not in value and _plain(v) and f"{base}{k}" not in skip
+                           and not _same(v, getattr(type(owner), k, _UNSET)))
             continue
         now = vars(owner).get(name, _MISSING)
         if not _same(now, value) and where not in skip:
@@ -164,6 +185,8 @@ class TracedValues:
         """Whether the traced forward left this value as it was."""
         if name is _CHILDREN and self.ran_a_copy:  # the copy's submodules are others: compare their names only
             return after is not _MISSING and [n for n, _ in after] == [n for n, _ in before]
+        if name is _OWN:  # the names the forward adds are its own values' business (NOTE [values set on the module])
+            return True
         return _same(after, before)
 
     def _written(self) -> set[str]:
@@ -200,6 +223,9 @@ class TracedValues:
         entries = list(self.before)
         for i, (owner, name, value, where) in enumerate(entries):
             now = after.get(where, _MISSING)
+            if name is _OWN:  # the names as the traced forward left them: what it added is not the caller's change
+                entries[i] = (owner, name, value | now if now is not _MISSING else value, where)
+                continue
             if where in written and value is None and now is not None and now is not _MISSING:
                 setattr(owner, name, now)  # what the eager first call leaves behind; torch.export put it back
                 entries[i] = (owner, name, now, where)
@@ -272,4 +298,6 @@ def say_changed(module: nn.Module, changed: list[tuple[str, Any, Any]]) -> None:
 def _shown(v: Any) -> str:
     if isinstance(v, Tensor):
         return f"a tensor of shape {tuple(v.shape)}"
+    if v is _UNSET:
+        return "no value of the module's own: its class's, or none"
     return "gone" if v is _MISSING else repr(v)

@@ -1,6 +1,7 @@
 """Python values the modules hold are constants of a planned step (NOTE [module attributes]): changing one after
 planning captures again (it used to change nothing, silently); a value the forward itself writes, or does not
 read, stops being watched."""
+import argparse
 import copy
 import logging
 
@@ -408,3 +409,40 @@ def test_a_value_set_on_the_module_over_its_class_s_takes_effect(caplog):
             assert torch.equal(planned(x), reference(x)), (attr, value)
     assert "scale (3.0, traced with no value of the module's own" in caplog.text, caplog.text
     assert planned._resolver.n_solved + planned._resolver.n_replayed == 4, "1.0 over the class's 1.0 changes nothing"
+
+
+TEMPERATURE = 1.0  # a schedule the training script changes between steps (NOTE [globals the forward reads])
+SETTINGS = argparse.Namespace(noise_scale=0.0, label="x")
+
+
+def _tempered(x):
+    return x / TEMPERATURE
+
+
+class _ReadsGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (_tempered(self.lin(x)) + SETTINGS.noise_scale * x).square().mean()
+
+
+def test_globals_and_a_settings_object_the_forward_reads_are_watched(caplog):
+    """A global read through a helper of the forward's file, and a field of an ``argparse.Namespace`` global,
+    changed between steps: the planned step held the traced values (found 2026-11-29)."""
+    global TEMPERATURE
+    torch.manual_seed(0)
+    model = _ReadsGlobals().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    try:
+        for temperature, noise_scale in ((1.0, 0.0), (2.0, 0.0), (2.0, 0.5), (1.0, 0.5)):
+            TEMPERATURE, SETTINGS.noise_scale = temperature, noise_scale
+            with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+                assert torch.equal(planned(x), reference(x)), (temperature, noise_scale)
+    finally:
+        TEMPERATURE, SETTINGS.noise_scale = 1.0, 0.0
+    assert "TEMPERATURE (a global of test_module_attributes) (2.0, traced with 1.0)" in caplog.text, caplog.text
+    assert "SETTINGS.noise_scale (a global of test_module_attributes)" in caplog.text

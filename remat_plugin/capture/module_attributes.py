@@ -73,6 +73,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from remat_plugin.capture.read_globals import globals_read
+
 log = logging.getLogger(__name__)
 
 _SCALARS = (bool, int, float, str, type(None))
@@ -123,6 +125,9 @@ def snapshot(module: nn.Module) -> list[Entry]:
                 entries.append((sub, name, v, f"{path}.{name}" if path else name))
             elif name == "config" and _is_config(v) and id(v) not in configs:
                 configs[id(v)] = (f"{path}.config" if path else "config", v)
+    # NOTE [globals the forward reads]
+    entries.extend((owner, name, v, where) for owner, name, v, where in globals_read({type(sub) for sub in
+                                                                                      module.modules()}) if _plain(v))
     for where, config in configs.values():
         entries.extend((config, name, v, f"{where}.{name}") for name, v in vars(config).items()
                        if name not in _LEFT_OUT and _plain(v))

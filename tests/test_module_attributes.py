@@ -3,6 +3,7 @@ planning captures again (it used to change nothing, silently); a value the forwa
 read, stops being watched."""
 import argparse
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -446,3 +447,33 @@ def test_globals_and_a_settings_object_the_forward_reads_are_watched(caplog):
         TEMPERATURE, SETTINGS.noise_scale = 1.0, 0.0
     assert "TEMPERATURE (a global of test_module_attributes) (2.0, traced with 1.0)" in caplog.text, caplog.text
     assert "SETTINGS.noise_scale (a global of test_module_attributes)" in caplog.text
+
+
+@dataclasses.dataclass
+class _BlockSettings:
+    scale: float = 1.0
+    gated: bool = False
+
+
+class _ReadsItsSettings(nn.Module):
+    def __init__(self, cfg: _BlockSettings):
+        super().__init__()
+        self.cfg = cfg
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x) * self.cfg.scale
+        return (torch.sigmoid(h) * h if self.cfg.gated else h).square().mean()
+
+
+def test_a_settings_object_a_module_holds_is_watched():
+    """``self.cfg.scale`` of a dataclass the module holds, changed after planning (NOTE [settings a module holds])."""
+    torch.manual_seed(0)
+    model = _ReadsItsSettings(_BlockSettings()).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    for scale, gated in ((1.0, False), (2.0, False), (2.0, True), (1.0, False)):
+        for m in (model, reference):
+            m.cfg.scale, m.cfg.gated = scale, gated
+        assert torch.equal(planned(x), reference(x)), (scale, gated)

@@ -55,6 +55,13 @@ NOTE [values set on the module]
     had as the traced forward returned; a plain value set under a new name since is a changed value, captured
     again like the others (and left out of the guard if the forward turns out not to read it).
 
+NOTE [settings a module holds]
+    A module may keep its settings in an object rather than in attributes of its own: ``self.cfg = cfg`` (a
+    dataclass instance, an ``argparse.Namespace`` or a ``SimpleNamespace``), read as ``self.cfg.dropout``.  Only
+    transformers' configs held as ``config`` were watched, so a changed field of such an object was a silent
+    constant (found 2026-11-29).  The plain fields of each such object a module holds, under any name, are in
+    the guard, as a transformers config's are.
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -73,7 +80,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from remat_plugin.capture.read_globals import globals_read
+from remat_plugin.capture.read_globals import globals_read, settings_object
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +121,8 @@ def _is_config(v: Any) -> bool:
 
 
 def snapshot(module: nn.Module) -> list[Entry]:
-    """The plain values of ``module``'s submodules and of the transformers configs they hold."""
+    """The plain values of ``module``'s submodules, of the transformers configs and settings objects they hold, and
+    of the globals their forwards read."""
     entries: list[Entry] = []
     configs: dict[int, tuple[str, Any]] = {}
     for path, sub in module.named_modules():
@@ -123,8 +131,8 @@ def snapshot(module: nn.Module) -> list[Entry]:
         for name, v in sub.__dict__.items():
             if _plain(v):
                 entries.append((sub, name, v, f"{path}.{name}" if path else name))
-            elif name == "config" and _is_config(v) and id(v) not in configs:
-                configs[id(v)] = (f"{path}.config" if path else "config", v)
+            elif ((name == "config" and _is_config(v)) or settings_object(v)) and id(v) not in configs:
+                configs[id(v)] = (f"{path}.{name}" if path else name, v)  # NOTE [settings a module holds]
     # NOTE [globals the forward reads]
     entries.extend((owner, name, v, where) for owner, name, v, where in globals_read({type(sub) for sub in
                                                                                       module.modules()}) if _plain(v))

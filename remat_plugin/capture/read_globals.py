@@ -25,7 +25,7 @@ from typing import Any
 _LIBRARIES = ("torch.", "transformers.")
 
 
-def _settings(v: Any) -> bool:
+def settings_object(v: Any) -> bool:
     """A settings object whose fields a forward reads: a namespace or a dataclass instance."""
     return isinstance(v, (argparse.Namespace, types.SimpleNamespace)) or \
         (dataclasses.is_dataclass(v) and not isinstance(v, type) and hasattr(v, "__dict__"))
@@ -67,7 +67,7 @@ def globals_read(classes: set[type]) -> Iterator[tuple[Any, str, Any, str]]:
         if owner is None:
             continue
         value = vars(owner).get(name)
-        if _settings(value):
+        if settings_object(value):
             for field, v in vars(value).items():
                 yield value, field, v, f"{name}.{field} (a global of {module_name})"
         else:

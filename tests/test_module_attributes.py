@@ -477,3 +477,29 @@ def test_a_settings_object_a_module_holds_is_watched():
         for m in (model, reference):
             m.cfg.scale, m.cfg.gated = scale, gated
         assert torch.equal(planned(x), reference(x)), (scale, gated)
+
+
+class _ReadsContainers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scales = [1.0, 2.0]
+        self.opts = {"scale": 1.0, "dims": (0,)}
+
+    def forward(self, x):
+        return (self.lin(x) * self.scales[0] * self.opts["scale"]).square().mean(dim=self.opts["dims"]).sum()
+
+
+def test_lists_and_dicts_of_values_changed_in_place_or_replaced_take_effect():
+    """NOTE [containers of values] (found 2026-11-29: each was a silent constant)."""
+    torch.manual_seed(0)
+    model = _ReadsContainers().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    changes = [lambda m: m.scales.__setitem__(0, 3.0), lambda m: setattr(m, "scales", [0.5, 1.0]),
+               lambda m: m.opts.__setitem__("scale", 2.0), lambda m: m.opts.__setitem__("dims", (1,))]
+    for i, change in enumerate(changes):
+        change(model)
+        change(reference)
+        assert torch.equal(planned(x), reference(x)), i

@@ -62,6 +62,14 @@ NOTE [settings a module holds]
     constant (found 2026-11-29).  The plain fields of each such object a module holds, under any name, are in
     the guard, as a transformers config's are.
 
+NOTE [containers of values]
+    A module may hold its values in a list or dict (``self.scales = [1.0, 2.0]``, ``self.opts = {"scale": 1.0}``;
+    a transformers config's ``rope_scaling``), and a caller may change one in place (``model.scales[0] = 3.0``) or
+    replace it.  Only bools, numbers, strings, None and short tuples of them were watched, so either was a silent
+    constant (found 2026-11-29).  A list, tuple or dict (string keys) of such values, up to 64 items and two levels
+    deep, is watched by a frozen copy (:class:`_Frozen`) compared at every step; larger ones (a classifier's
+    ``id2label``) are not.
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -105,8 +113,53 @@ def _children(module: Any) -> tuple[tuple[str, int], ...]:
     return tuple((name, id(child)) for name, child in module._modules.items())
 
 
+@dataclass(frozen=True)
+class _Frozen:
+    """A list, dict or long tuple of plain values as it was when traced: a copy, since the caller may change the
+    container in place (``model.scales[0] = 3.0``; NOTE [containers of values])."""
+
+    kind: type
+    items: tuple  # the values, frozen; a dict's as (key, value) pairs
+
+    def thawed(self) -> Any:
+        if self.kind is dict:
+            return {k: _thawed(v) for k, v in self.items}
+        return self.kind(_thawed(v) for v in self.items)
+
+
+def _frozen(v: Any, depth: int = 0) -> Any:
+    """``v`` as an entry holds it: a plain container frozen (:class:`_Frozen`), anything else as it is."""
+    kind = type(v)
+    if kind in _SCALARS or depth >= 2 or kind not in (list, tuple, dict) or len(v) > 64:
+        return v
+    if kind is tuple and len(v) <= 8 and all(type(x) in _SCALARS for x in v):
+        return v  # immutable already
+    if kind is dict:
+        if not all(type(k) is str for k in v):
+            return v
+        return _Frozen(dict, tuple((k, _frozen(x, depth + 1)) for k, x in v.items()))
+    return _Frozen(kind, tuple(_frozen(x, depth + 1) for x in v))
+
+
+def _is_plain_frozen(f: Any) -> bool:
+    if isinstance(f, _Frozen):
+        return all(_is_plain_frozen(x) for x in ([v for _, v in f.items] if f.kind is dict else f.items))
+    return type(f) in _SCALARS or (type(f) is tuple and len(f) <= 8 and all(type(x) in _SCALARS for x in f))
+
+
 def _plain(v: Any) -> bool:
-    return type(v) in _SCALARS or (type(v) is tuple and len(v) <= 8 and all(type(x) in _SCALARS for x in v))
+    """A bool, number, string or None, or a list, tuple or dict (string keys) of them, 64 items, two levels deep."""
+    return _is_plain_frozen(_frozen(v))
+
+
+def _watched(name: str, v: Any) -> bool:
+    """A plain value the guard holds; containers under private names are nn.Module's own (``_buffers``, empty in
+    a leaf) or a library's bookkeeping (transformers' ``_tp_plan``), which a forward does not branch on."""
+    return _plain(v) and not (name.startswith("_") and type(v) in (list, dict))
+
+
+def _thawed(v: Any) -> Any:
+    return v.thawed() if isinstance(v, _Frozen) else v
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -129,16 +182,16 @@ def snapshot(module: nn.Module) -> list[Entry]:
         entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
         entries.append((sub, _OWN, frozenset(sub.__dict__), f"{path}.{_OWN}" if path else _OWN))
         for name, v in sub.__dict__.items():
-            if _plain(v):
-                entries.append((sub, name, v, f"{path}.{name}" if path else name))
+            if _watched(name, v):
+                entries.append((sub, name, _frozen(v), f"{path}.{name}" if path else name))
             elif ((name == "config" and _is_config(v)) or settings_object(v)) and id(v) not in configs:
                 configs[id(v)] = (f"{path}.{name}" if path else name, v)  # NOTE [settings a module holds]
     # NOTE [globals the forward reads]
-    entries.extend((owner, name, v, where) for owner, name, v, where in globals_read({type(sub) for sub in
-                                                                                      module.modules()}) if _plain(v))
+    entries.extend((owner, name, _frozen(v), where) for owner, name, v, where in
+                   globals_read({type(sub) for sub in module.modules()}) if _watched(name, v))
     for where, config in configs.values():
-        entries.extend((config, name, v, f"{where}.{name}") for name, v in vars(config).items()
-                       if name not in _LEFT_OUT and _plain(v))
+        entries.extend((config, name, _frozen(v), f"{where}.{name}") for name, v in vars(config).items()
+                       if name not in _LEFT_OUT and _watched(name, v))
     return entries
 
 
@@ -158,11 +211,11 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
                 base = where[: -len(_OWN)]
                 # a value equal to the class's it shadows changes nothing (and would be found "not read")
                 out.extend((f"{base}{k}", v, _UNSET) for k, v in own.items()
-                           if k not in value and _plain(v) and f"{base}{k}" not in skip
-                           and not _same(v, getattr(type(owner), k, _UNSET)))
+                           if k not in value and _watched(k, v) and f"{base}{k}" not in skip
+                           and not _same(_frozen(v), _frozen(getattr(type(owner), k, _UNSET))))
             continue
         now = vars(owner).get(name, _MISSING)
-        if not _same(now, value) and where not in skip:
+        if not _same(_frozen(now), value) and where not in skip:
             out.append((where, now, value))
     return out
 
@@ -217,11 +270,11 @@ class TracedValues:
             return None  # a submodule replaced; values set once only, which the guard sets (NOTE [values set once])
         after = self.after or {}
         for owner, name, _, where in entries:
-            setattr(owner, name, after[where])
+            setattr(owner, name, _thawed(after[where]))
 
         def put_back() -> None:
             for owner, name, value, _ in entries:
-                setattr(owner, name, value)
+                setattr(owner, name, _thawed(value))
         return put_back
 
     def wrote_nothing(self) -> bool:
@@ -240,7 +293,7 @@ class TracedValues:
                 entries[i] = (owner, name, value | now if now is not _MISSING else value, where)
                 continue
             if where in written and value is None and now is not None and now is not _MISSING:
-                setattr(owner, name, now)  # what the eager first call leaves behind; torch.export put it back
+                setattr(owner, name, _thawed(now))  # what the eager first call leaves behind; torch.export put it back
                 entries[i] = (owner, name, now, where)
                 written.discard(where)
         if written:
@@ -313,4 +366,4 @@ def _shown(v: Any) -> str:
         return f"a tensor of shape {tuple(v.shape)}"
     if v is _UNSET:
         return "no value of the module's own: its class's, or none"
-    return "gone" if v is _MISSING else repr(v)
+    return "gone" if v is _MISSING else repr(_thawed(v))

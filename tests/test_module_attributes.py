@@ -5,6 +5,7 @@ import argparse
 import copy
 import dataclasses
 import logging
+import types
 
 import pytest
 import torch
@@ -503,3 +504,52 @@ def test_lists_and_dicts_of_values_changed_in_place_or_replaced_take_effect():
         change(model)
         change(reference)
         assert torch.equal(planned(x), reference(x)), i
+
+
+class _Tanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _TwoTanh(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Tanh(), _Tanh()
+
+    def forward(self, x):
+        return self.b(self.a(x)).square().mean()
+
+
+def _sigmoid_forward(self, x):
+    return torch.sigmoid(self.lin(x))
+
+
+def test_a_forward_patched_after_planning_takes_effect():
+    """NOTE [forward replaced]: a module's forward replaced on the module, then on its class, then wrapped by a
+    logger that traces to the same graph (captured again once, then no longer watched)."""
+    torch.manual_seed(0)
+    model = _TwoTanh().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    for m in (model, reference):
+        m.a.forward = types.MethodType(_sigmoid_forward, m.a)
+    assert torch.equal(planned(x), reference(x))
+    original = _Tanh.forward
+    try:
+        _Tanh.forward = lambda self, x: torch.relu(self.lin(x))
+        assert torch.equal(planned(x), reference(x))
+        calls = []
+        for m in (model, reference):
+            inner = m.b.forward
+            m.b.forward = lambda x, inner=inner: calls.append(1) or inner(x)
+        captures = planned._resolver.n_solved + planned._resolver.n_replayed
+        for _ in range(3):
+            assert torch.equal(planned(x), reference(x))
+        assert planned._resolver.n_solved + planned._resolver.n_replayed == captures + 1
+    finally:
+        _Tanh.forward = original

@@ -70,6 +70,14 @@ NOTE [containers of values]
     deep, is watched by a frozen copy (:class:`_Frozen`) compared at every step; larger ones (a classifier's
     ``id2label``) are not.
 
+NOTE [forward replaced]
+    Patching a module's forward after planning (``layer.forward = MethodType(patched, layer)``, or its class's
+    ``Block.forward = patched``: an attention kernel swapped in, a LoRA or logging wrapper) changes what eager
+    runs, but the planned step ran the traced graph of the old one, silently (found 2026-11-29).  The guard
+    holds, per module, the function its call runs, by identity: one replaced captures again, and a wrapper that
+    traces to the same graph (a logger around the old forward) leaves the guard, as a value not read does.  A
+    torch function patched globally (``torch.tanh = ...``) is not seen.
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -107,6 +115,14 @@ _SWAPPED = object()  # a submodule replaced, added or removed
 _CHILDREN = "<submodules>"  # an entry for a module's submodules, by name and identity: one replaced is another graph
 _OWN = "<attributes>"  # an entry for the names a module's __dict__ holds (NOTE [values set on the module])
 _UNSET = object()  # the module held no value of its own when traced: the forward read its class's, or none
+_FORWARD = "<forward>"  # an entry for the function a module's call runs (NOTE [forward replaced])
+
+
+def _forward_of(module: Any) -> Any:
+    """The function ``module``'s call runs: one set on the module (``m.forward = MethodType(f, m)``), else its
+    class's; a bound method's function, the same for a copy of the module (NOTE [shared submodules])."""
+    own = vars(module).get("forward")
+    return getattr(own, "__func__", own) if own is not None else getattr(type(module), "forward", None)
 
 
 def _children(module: Any) -> tuple[tuple[str, int], ...]:
@@ -181,6 +197,7 @@ def snapshot(module: nn.Module) -> list[Entry]:
     for path, sub in module.named_modules():
         entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
         entries.append((sub, _OWN, frozenset(sub.__dict__), f"{path}.{_OWN}" if path else _OWN))
+        entries.append((sub, _FORWARD, _forward_of(sub), f"{path}.forward" if path else "forward"))
         for name, v in sub.__dict__.items():
             if _watched(name, v):
                 entries.append((sub, name, _frozen(v), f"{path}.{name}" if path else name))
@@ -213,6 +230,11 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
                 out.extend((f"{base}{k}", v, _UNSET) for k, v in own.items()
                            if k not in value and _watched(k, v) and f"{base}{k}" not in skip
                            and not _same(_frozen(v), _frozen(getattr(type(owner), k, _UNSET))))
+            continue
+        if name is _FORWARD:  # NOTE [forward replaced]
+            now = _forward_of(owner)
+            if now is not value and where not in skip:
+                out.append((where, now, value))
             continue
         now = vars(owner).get(name, _MISSING)
         if not _same(_frozen(now), value) and where not in skip:
@@ -251,8 +273,8 @@ class TracedValues:
         """Whether the traced forward left this value as it was."""
         if name is _CHILDREN and self.ran_a_copy:  # the copy's submodules are others: compare their names only
             return after is not _MISSING and [n for n, _ in after] == [n for n, _ in before]
-        if name is _OWN:  # the names the forward adds are its own values' business (NOTE [values set on the module])
-            return True
+        if name is _OWN or name is _FORWARD:  # what the trace sets is its own business: the names the forward adds
+            return True  # (NOTE [values set on the module]), the layers' forwards a layered trace stands in for
         return _same(after, before)
 
     def _written(self) -> set[str]:
@@ -265,7 +287,7 @@ class TracedValues:
         again (NOTE [values the forward sets]); returns what puts them back, or None where there are none."""
         written = self._written() - _told_written.get(self.module, set())
         entries = [e for e in self.before if e[3] in written]
-        if not entries or any(name is _CHILDREN for _, name, _, _ in entries) or \
+        if not entries or any(name is _CHILDREN or name is _FORWARD for _, name, _, _ in entries) or \
                 all(value is None for _, _, value, _ in entries):
             return None  # a submodule replaced; values set once only, which the guard sets (NOTE [values set once])
         after = self.after or {}

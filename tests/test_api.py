@@ -732,6 +732,24 @@ def test_a_graph_the_trace_cannot_hold_falls_back_or_raises_naming_the_line(lazi
         rm(x, mask).backward()
 
 
+class _NoisyByIndex(nn.Module):
+    """Adds integer noise made like an activation (``torch.randint_like(h, 0, 3)``): eager's result takes no
+    gradient, AOTAutograd's trace looks for one."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h + torch.randint_like(h, 0, 3)).square().mean()
+
+
+def test_random_op_made_like_a_graded_tensor_is_refused_naming_the_fix():
+    with pytest.raises(CaptureError, match=r"randint_like of a tensor that requires grad.*\.detach\(\)"):
+        rematerialize(_NoisyByIndex(), (torch.randn(4, 16),), budget=10**9, verbose=False)
+
+
 def test_smaller_shapes_replay_a_covering_plan_larger_ones_plan_anew():
     """RematModule resolves steps like the session: a smaller batch replays the plan (no solve), a larger one plans."""
     from remat_plugin.bench.models import mlp_chain

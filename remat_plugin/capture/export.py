@@ -252,7 +252,11 @@ def untraceable(exc: Exception, exported: torch.fx.GraphModule | None, model: st
         source = traced_line(node) if node is not None else None
         where = f" at {source}" if source else f" at `{line[:200]}`"
     hint = ""
-    if "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__ or \
+    made_like = re.search(r"derivative for aten::(\w+_like) is not implemented", first)
+    if made_like:
+        hint = (f" (torch.{made_like.group(1)} of a tensor that requires grad: eager gives the result no gradient, "
+                "the trace looks for one; call it on the tensor's .detach(), which computes the same)")
+    elif "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__ or \
             "data-dependent" in first:
         hint = (" (an op whose output size or a branch depends on tensor values, such as x[mask] with a boolean "
                 "mask, nonzero or unique: a graph traced at fixed sizes cannot hold it; write it with sizes that "

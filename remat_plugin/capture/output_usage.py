@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from remat_plugin.errors import RematError
-from remat_plugin.torch_private import StorageWeakRef, any_autocast_enabled, queue_after_backward
+from remat_plugin.torch_private import StorageWeakRef, any_autocast_enabled, pytree, queue_after_backward
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,32 @@ class OutputUsage:
     def ungraded(self) -> frozenset[int]:
         """Outputs held but reached by no gradient: the backward need not take one (NOTE [dropped tangents])."""
         return (self.held & self.differentiable) - self.graded
+
+
+def tensor_leaves(output: Any) -> list[torch.Tensor]:
+    """A step's tensor outputs, flat, in pytree order."""
+    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+
+
+def loss_index(outputs: list[torch.Tensor], scalar_only: bool = False) -> int | None:
+    """Where a step's backward starts: the first scalar output with a gradient (the loss), else (unless
+    ``scalar_only``) the first output with one."""
+    graded = [i for i, t in enumerate(outputs) if t.requires_grad and t.is_floating_point()]
+    return next((i for i in graded if outputs[i].numel() == 1), None if scalar_only or not graded else graded[0])
+
+
+def when_backward_starts(outputs: list[torch.Tensor], root: int,
+                         seen: Callable[[frozenset[int], tuple[int, ...]], None]) -> None:
+    """As the backward from ``outputs[root]`` begins, ``seen(held, sizes)``: the outputs the caller still holds,
+    by weak reference (to an output's base where it is a view: the view keeps it alive), and each one's bytes.
+    For a step whose programs are not ours (a fallback, FSDP2's units): a planned step has :func:`watched`."""
+    refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
+    sizes = tuple(t.nbytes for t in outputs)
+
+    def backward_starts(grad: torch.Tensor) -> None:
+        seen(frozenset(i for i, ref in enumerate(refs) if ref() is not None), sizes)
+
+    outputs[root].register_hook(backward_starts)
 
 
 class _OutputWatch:

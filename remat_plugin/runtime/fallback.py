@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,12 +51,12 @@ from torch.utils.checkpoint import checkpoint
 from remat_plugin.capture.forward_swap import swapped_forwards
 from remat_plugin.capture.memory_meter import allocator_slack
 from remat_plugin.capture.module_hooks import user_hooks
-from remat_plugin.capture.output_usage import OutputUsage
+from remat_plugin.capture.output_usage import OutputUsage, loss_index, tensor_leaves, when_backward_starts
 from remat_plugin.errors import CaptureError, InfeasibleBudgetError, human_bytes
 from remat_plugin.ir.plan import BlockChoice, Plan, budget_for_peak, safety_margin
 from remat_plugin.runtime.side_effects import restored_buffers
 from remat_plugin.runtime.signature import Call
-from remat_plugin.torch_private import in_backward, pytree
+from remat_plugin.torch_private import in_backward
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +122,15 @@ class CheckpointedRun:
         """As the backward of the loss (the first scalar output with a gradient) begins, :attr:`usage` records
         which outputs the caller still holds, by weak reference (NOTE [metered fallback]); read with
         :meth:`~remat_plugin.runtime.steps.PlannedStep.take_usage`."""
-        leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        root = next((i for i, t in enumerate(leaves) if t.requires_grad and t.is_floating_point() and t.numel() == 1),
-                    None)
+        leaves = tensor_leaves(output)
+        root = loss_index(leaves, scalar_only=True)
         if root is None:
             return
-        refs = [weakref.ref(t._base if t._base is not None else t) for t in leaves]
-        sizes = tuple(t.nbytes for t in leaves)
 
-        def backward_starts(grad: torch.Tensor) -> None:
-            held = frozenset(i for i, ref in enumerate(refs) if ref() is not None) | {root}
-            self.usage = OutputUsage(len(refs), held, frozenset({root}), output_bytes=sizes)
+        def seen(held: frozenset[int], sizes: tuple[int, ...]) -> None:
+            self.usage = OutputUsage(len(sizes), held | {root}, frozenset({root}), output_bytes=sizes)
 
-        leaves[root].register_hook(backward_starts)
+        when_backward_starts(leaves, root, seen)
 
     @contextlib.contextmanager
     def ordered_by_saved_bytes(self) -> Iterator[None]:

@@ -53,7 +53,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +71,7 @@ from remat_plugin.capture.memory_meter import (
     warm_backward_workspaces,
 )
 from remat_plugin.capture.module_attributes import say_changed
+from remat_plugin.capture.output_usage import loss_index, tensor_leaves, when_backward_starts
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak, safety_margin
 from remat_plugin.ir.problem import Problem, Schedule
@@ -86,7 +86,7 @@ from remat_plugin.runtime.side_effects import unobserved
 from remat_plugin.runtime.signature import Call
 from remat_plugin.runtime.steps import PROCESS_CACHES, PlannedStep, PlanningCaches, captured_problem, replay_step
 from remat_plugin.runtime.unplanned_calls import is_planned_call, run_unplanned
-from remat_plugin.torch_private import profiler_active, pytree, suspended_user_modes
+from remat_plugin.torch_private import profiler_active, suspended_user_modes
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +307,8 @@ class FsdpRemat:
         try:
             with suspended_user_modes(), unobserved(self.model, self._device), \
                     memory_profile(cuda=self._device.type == "cuda") as prof:
-                outputs = _tensor_leaves(self.model(*args, **kwargs))
-                root = _root_of(outputs)
+                outputs = tensor_leaves(self.model(*args, **kwargs))
+                root = loss_index(outputs)
                 if root is not None:
                     loss = outputs[root] if outputs[root].numel() == 1 else outputs[root].sum()
                     held = [t for i, t in enumerate(outputs) if i in self._held]  # what callers were seen holding
@@ -328,15 +328,13 @@ class FsdpRemat:
         """Watch which outputs the caller still holds when its backward starts; one not metered so re-settles."""
         if self._metering or not (module.training and torch.is_grad_enabled()):
             return
-        outputs = _tensor_leaves(output)
-        root = _root_of(outputs)
+        outputs = tensor_leaves(output)
+        root = loss_index(outputs)
         if root is None:
             return
-        refs = [weakref.ref(t._base if t._base is not None else t) for t in outputs]
-        sizes = [t.nbytes for t in outputs]
 
-        def backward_starts(grad: torch.Tensor) -> None:
-            held = frozenset(i for i, ref in enumerate(refs) if i != root and ref() is not None) - self._held
+        def seen(now_held: frozenset[int], sizes: tuple[int, ...]) -> None:
+            held = now_held - {root} - self._held
             if held and any(g.settled for g in self.groups.values()):
                 log.warning("remat_plugin.fsdp: the step held model outputs %s (%s) through backward, which the "
                             "metered step had dropped; this step may have exceeded the budget by up to that much. "
@@ -346,7 +344,7 @@ class FsdpRemat:
                     g.settled = False
             self._held |= held
 
-        outputs[root].register_hook(backward_starts)
+        when_backward_starts(outputs, root, seen)
 
     def _forward_for(self, index: int, real_forward: Callable) -> Callable:
         def forward(*args, **kwargs):
@@ -476,16 +474,6 @@ def _one_layer_is_one_block() -> Iterator[None]:
         yield
     finally:
         menus_log.removeFilter(note)
-
-
-def _tensor_leaves(output: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-
-
-def _root_of(outputs: list[torch.Tensor]) -> int | None:
-    """Where a step's backward starts: the first scalar output with a gradient (the loss), else the first with one."""
-    graded = [i for i, t in enumerate(outputs) if t.requires_grad and t.is_floating_point()]
-    return next((i for i in graded if outputs[i].numel() == 1), graded[0] if graded else None)
 
 
 def rematerialize_fsdp(model: nn.Module, budget: int | str = "80%", *,

@@ -525,10 +525,12 @@ _TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")  # Tenso
 
 
 @contextlib.contextmanager
-def suspended_tensor_hooks(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+def suspended_tensor_hooks(tensors: Iterable[torch.Tensor],
+                           stand_in: Callable[[torch.Tensor], Any] | None = None) -> Iterator[None]:
     """Inside, the hooks registered on ``tensors`` (``register_hook``, ``register_post_accumulate_grad_hook``) do
     not run; on exit they are back, in order.  Autograd reads each tensor's own hook dictionary when a gradient
-    arrives, so emptying that dictionary in place turns them off and refilling it turns them on again."""
+    arrives, so emptying that dictionary in place turns them off and refilling it turns them on again.
+    ``stand_in``: run instead of a tensor's gradient hooks (``register_hook``), where it had some."""
     emptied: list[tuple[dict, dict]] = []
     try:
         for t in tensors:
@@ -537,9 +539,12 @@ def suspended_tensor_hooks(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
                 if hooks:
                     emptied.append((hooks, dict(hooks)))
                     hooks.clear()
+                    if stand_in is not None and name == "_backward_hooks":
+                        hooks[-1] = stand_in  # keyed as no handle of torch's is (theirs count up from 0)
         yield
     finally:
         for hooks, saved in emptied:
+            hooks.clear()
             hooks.update(saved)
 
 

@@ -155,3 +155,30 @@ def test_an_auto_batch_size_trial_steps_no_optimizer_in_backward():
     assert fired == [] and all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     model(x).backward()
     assert len(fired) == 16
+
+
+def test_a_metered_step_counts_what_a_clamping_parameter_hook_allocates_without_running_it():
+    """NOTE [parameter hooks unobserved]: the hook does not run in a metered step, but a stand-in allocates the
+    new gradient it would return, so the metered peak is not below the real step's (it was by one gradient)."""
+    from remat_plugin.bench.run import allocator_peak
+    from remat_plugin.runtime.side_effects import unobserved
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh())  # a 4 MiB weight
+    calls = []
+    model[0].weight.register_hook(lambda g: calls.append(1) or g.clamp(-1e-3, 1e-3))
+    x = torch.randn(4, 1024)
+    cpu = torch.device("cpu")
+
+    def step():
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    _, real = allocator_peak(step, cpu)
+    assert calls == [1]
+    with unobserved(model, cpu):
+        _, metered = allocator_peak(step, cpu)
+    assert calls == [1], "the caller's hook ran in a metered step"
+    assert metered >= real, (metered, real)
+    step()
+    assert calls == [1, 1], "the hook is back after the metered step"

@@ -46,8 +46,17 @@ def unobserved(module: nn.Module, device: torch.device, inputs: Sequence[torch.T
         a buffer of its own; ``p.register_post_accumulate_grad_hook``: an optimizer stepped inside backward) are
         the caller's training step's, not ours: inside, they do not run.  A metered step (calibration, a
         fallback's sizing, an FSDP2 step, an auto-batch-size trial) ran them once more per step, and an
-        optimizer stepped in backward took a step on the trial's gradients.  What such a hook allocates is then
-        not in the metered peak (a hook clamping gradients: one parameter's gradient at a time)."""
+        optimizer stepped in backward took a step on the trial's gradients.  What such a hook allocates was then
+        not in the metered peak: a hook clamping an embedding's gradient holds a second copy of it for a moment
+        (154 MiB for GPT-2's).  A parameter with gradient hooks gets a stand-in instead, which copies the
+        gradient (:func:`_as_a_hook_allocates`): the metered peak counts what a hook returning a new gradient
+        allocates, and an observing hook's (logging a norm) is overcounted by that copy, on the budget's safe side."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), restored_buffers(module), \
-            restored_inputs(inputs), HostDraws().restored(), suspended_tensor_hooks(module.parameters()):
+            restored_inputs(inputs), HostDraws().restored(), \
+            suspended_tensor_hooks(module.parameters(), stand_in=_as_a_hook_allocates):
         yield
+
+
+def _as_a_hook_allocates(grad: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient hooks, stood in for in a metered step (NOTE [parameter hooks unobserved])."""
+    return grad.clone()

@@ -427,12 +427,15 @@ class _ReadsGlobals(nn.Module):
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x):
-        return (_tempered(self.lin(x)) + SETTINGS.noise_scale * x).square().mean()
+        return (_tempered(self.lin(x)) + self._noise(x)).square().mean()
+
+    def _noise(self, x):
+        return SETTINGS.noise_scale * x
 
 
 def test_globals_and_a_settings_object_the_forward_reads_are_watched(caplog):
-    """A global read through a helper of the forward's file, and a field of an ``argparse.Namespace`` global,
-    changed between steps: the planned step held the traced values (found 2026-11-29)."""
+    """A global read through a helper of the forward's file, and a field of an ``argparse.Namespace`` global read
+    in a method, changed between steps: the planned step held the traced values (found 2026-11-29)."""
     global TEMPERATURE
     torch.manual_seed(0)
     model = _ReadsGlobals().double()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import sys
 import types
 from collections.abc import Iterator
@@ -51,7 +52,8 @@ def _names_read(cls: type) -> tuple[tuple[str, str], ...]:
             code = codes.pop()
             codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
             for name in code.co_names:
-                value = g.get(name, getattr(cls, name, None))
+                # a method by its name on the class, read without running a descriptor (a property's getter)
+                value = g[name] if name in g else inspect.getattr_static(cls, name, None)
                 if name in g and not isinstance(value, (types.FunctionType, type, types.ModuleType)):
                     found[(fn.__module__, name)] = None
                 elif isinstance(value, types.FunctionType) and value.__module__ == fn.__module__ and depth < 2:

@@ -10,8 +10,8 @@ NOTE [tensors the forward keeps]
     it leaves holding fake tensors, are removed.  A new attribute holding a tensor with no gradient, built from
     constants only (not from the call's arguments, parameters or buffers: :class:`CallDerived` follows them
     through a second trace, run only for such models, since following every call costs a sixth of an export), is
-    taken for a cache the forward fills once (Phi-3's long-context rotary frequencies):
-    removed, so an eager call fills it again, and the capture goes on.  Any other (an attribute that existed, or
+    taken for a cache the forward fills once (Phi-3's long-context rotary frequencies): removed, so an eager call
+    fills it again, and the capture goes on.  Any other (an attribute that existed, or
     a new one computed from the call, both written at every call, which a planned step would leave unset or
     stale: ``self.last = x.detach()``; a tensor requiring grad, which a loop reads as a loss) refuses the capture,
     naming them and the fix (return the tensor from ``forward``, or write it into a registered buffer in place:

@@ -87,6 +87,24 @@ def test_a_value_the_forward_does_not_read_is_captured_again_once():
     assert rm._resolver.n_solved == 1
 
 
+def test_a_step_count_kept_on_a_model_with_layers_traced_once_is_captured_again_once():
+    """Each capture of a layered model names its layer calls anew, so the graphs never compared equal and a value
+    the forward does not read was captured again at every step (found 2026-11-29; ``graph_text``)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).double().train()
+    ids = torch.randint(0, 64, (2, 16))
+    rm = rematerialize(model, (), {"input_ids": ids, "labels": ids}, budget=10**10, verbose=False)
+    assert rm.plan is not None and not rm.plan.fallback
+    made = []
+    for step in range(5):
+        model.step = step  # a training loop keeping its step count on the model
+        rm(input_ids=ids, labels=ids).loss.backward()
+        made.append(rm._resolver.n_solved + rm._resolver.n_replayed + rm._resolver.n_refined)
+    assert made[-1] == made[1], made  # captured again once (the count's first change), then no longer watched
+
+
 def test_a_transformers_config_value_changed_after_planning_takes_effect():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -426,6 +444,7 @@ class _ReadsGlobals(nn.Module):
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
+    @torch.autocast("cpu", enabled=False)  # a decorated forward: the names its own code loads are read
     def forward(self, x):
         return (_tempered(self.lin(x)) + self._noise(x)).square().mean()
 

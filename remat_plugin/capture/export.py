@@ -477,6 +477,22 @@ GUARD_META = "remat_plugin.guard"  # the Python values its export read, in its .
 _told_whole: set[tuple[str, str]] = set()
 
 
+def graph_text(gm: torch.fx.GraphModule) -> str:
+    """What tells whether two captures exported the same graph (NOTE [module attributes]): the code of ``gm`` and
+    of the graphs inside it (a region's: an autocast or no_grad block, whose constants are not in ``gm.code``),
+    and with layers traced once, their templates' code, each layer call's id (new at every capture) replaced by
+    its template.  ``gm.code`` alone took a value read only inside a region for one the forward does not read,
+    and never matched for a layered model, which captured again at every step for a step counter it keeps."""
+    def code(m: torch.fx.GraphModule) -> str:
+        return "\n".join(sub.code for sub in m.modules() if isinstance(sub, torch.fx.GraphModule))
+
+    layers = gm.meta.get(LAYERS_META)
+    if layers is None:
+        return code(gm)
+    text, templates = layers.with_templates(code(gm))
+    return "\n".join([text, *map(code, templates)])
+
+
 def _warn_traced_whole(model: str, exc: Exception) -> None:
     """Say (once per model and reason) that a model's layers are traced one by one, and why."""
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -571,7 +587,7 @@ def build_step(
         if put_back is not None:  # NOTE [values the forward sets]
             with traced_values(module) as again:
                 gm_again, layers_again = _export(module, args, kwargs, options)
-            if again.wrote_nothing() and gm_again.code == gm.code:  # not a first-call branch (an ActNorm's init)
+            if again.wrote_nothing() and graph_text(gm_again) == graph_text(gm):  # not a first-call branch (ActNorm)
                 gm, layers, values = gm_again, layers_again, again
             else:
                 put_back()

@@ -43,10 +43,12 @@ def _names_read(cls: type) -> tuple[tuple[str, str], ...]:
     done: set[types.CodeType] = set()
     while todo:
         fn, depth = todo.pop()
-        if fn.__code__ in done:
+        fn = inspect.unwrap(fn)  # a decorated forward (functools.wraps: @torch.autocast(...)): the model's own code
+        if not isinstance(fn, types.FunctionType) or fn.__code__ in done:
             continue
         done.add(fn.__code__)
         g = fn.__globals__
+        module_name = g.get("__name__", fn.__module__)  # where the names it loads live
         codes = [fn.__code__]
         while codes:  # the function's code and the code nested in it (comprehensions, closures)
             code = codes.pop()
@@ -55,8 +57,9 @@ def _names_read(cls: type) -> tuple[tuple[str, str], ...]:
                 # a method by its name on the class, read without running a descriptor (a property's getter)
                 value = g[name] if name in g else inspect.getattr_static(cls, name, None)
                 if name in g and not isinstance(value, (types.FunctionType, type, types.ModuleType)):
-                    found[(fn.__module__, name)] = None
-                elif isinstance(value, types.FunctionType) and value.__module__ == fn.__module__ and depth < 2:
+                    found[(module_name, name)] = None
+                elif isinstance(value, types.FunctionType) and getattr(inspect.unwrap(value), "__globals__", None) is g \
+                        and depth < 2:
                     todo.append((value, depth + 1))
     return tuple(found)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -390,6 +391,17 @@ class RepeatedLayers:
         call.kind = len(self.templates)
         call.example = [(tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs]
         self.templates.append(_Template(key, call))
+
+    def with_templates(self, code: str) -> tuple[str, list[fx.GraphModule]]:
+        """``code`` (the model's, exported with these layers opaque) with each layer call's id, new at every
+        capture, replaced by the template the call takes; and the templates' exported modules, whose code holds
+        what the layers compute: together, what tells two captures' graphs apart (NOTE [module attributes])."""
+        def template(found: re.Match) -> str:
+            call = _CALLS.get(int(found.group(1)))
+            return f"remat_plugin.layer.default(template_{call.kind if call is not None else '?'},"
+
+        return (re.sub(r"remat_plugin\.layer\.default\((\d+),", template, code),
+                [t.exported for t in self.templates if t.exported is not None])
 
     def export_templates(self, export_module: Callable[[nn.Module, tuple, dict], fx.GraphModule]) -> None:
         """Export (with ``export_module``) one layer of each kind alone; :meth:`splice` traces its joint graph."""

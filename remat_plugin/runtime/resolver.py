@@ -90,7 +90,7 @@ from typing import Any
 
 from torch import nn
 
-from remat_plugin.capture.export import ExecutionOptions
+from remat_plugin.capture.export import ExecutionOptions, graph_text
 from remat_plugin.capture.module_attributes import not_read, say_changed
 from remat_plugin.capture.output_usage import OutputUsage, in_flight, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
@@ -270,13 +270,13 @@ class StepResolver:
             return None
         traced_before = self._retraced.pop(call.key, None)
         exported = step.exported_module()
-        if traced_before is not None and exported is not None and exported.code == traced_before[0]:
+        if traced_before is not None and exported is not None and graph_text(exported) == traced_before[0]:
             not_read(self.module, traced_before[1])  # the same graph: the forward does not read them
         changed = step.changed_values()
         if changed:  # NOTE [module attributes]
             say_changed(self.module, changed)
             if exported is not None:
-                self._retraced[call.key] = (exported.code, changed)
+                self._retraced[call.key] = (graph_text(exported), changed)
             del self.steps[call.key]
             return None
         return step

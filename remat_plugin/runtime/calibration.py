@@ -30,6 +30,7 @@ from torch import nn
 
 from remat_plugin.capture.export import EAGER
 from remat_plugin.capture.memory_meter import allocator_slack, allocator_trace, memory_profile, warm_backward_workspaces
+from remat_plugin.capture.output_usage import loss_index, tensor_leaves
 from remat_plugin.errors import InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import MARGIN_MIN_BYTES, Plan
 from remat_plugin.runtime import dist
@@ -65,17 +66,17 @@ def metered_step(module: nn.Module, step: PlannedStep, call: Call) -> int | None
                                         (call.args, call.kwargs))
 
     def run() -> bool:
-        outputs = [t for t in pytree.tree_leaves(step(args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = tensor_leaves(step(args, kwargs))
         held = [t for i, t in enumerate(outputs) if i not in dropped]
         del outputs
-        roots = [t for t in held if t.requires_grad and t.is_floating_point()]
-        if not roots or not params:
+        root = loss_index(held)
+        if root is None or not params:
             return False
-        loss = next((t for t in roots if t.numel() == 1), None)
+        loss = held[root] if held[root].numel() == 1 else held[root].sum()
         # where the step's backward was traced for: after the caller's autocast block, or inside it
         options = getattr(step.run, "options", EAGER)
         with contextlib.nullcontext() if options.backward_autocast else autocast_disabled():
-            torch.autograd.grad(loss if loss is not None else roots[0].sum(), params, allow_unused=True)
+            torch.autograd.grad(loss, params, allow_unused=True)
         return True
 
     warm_backward_workspaces(call.device)  # a one-time cuBLAS block is not the plan's

@@ -77,15 +77,17 @@ def assert_same_grads_and_buffers(module, reference, label: str) -> None:
         assert torch.equal(b, c), f"{label}: buffer {name} differs"
 
 
-def planned_beside_eager(model, args: tuple, caplog, budget: int = 10**9):
-    """``(planned, reference)``: ``model`` planned under ``budget`` on ``args``, remat_plugin's warnings captured in
-    ``caplog``, and the eager deep copy made before it was planned, for the tests that compare the two."""
+def planned_beside_eager(model, args: tuple, caplog=None, budget: int = 10**9):
+    """``(planned, reference)``: ``model`` planned under ``budget`` on ``args`` (remat_plugin's warnings captured in
+    ``caplog``, where given), and the eager deep copy made before it was planned, for the tests that compare the
+    two."""
+    import contextlib
     import copy
     import logging
 
     from remat_plugin import rematerialize
 
     reference = copy.deepcopy(model)
-    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+    with caplog.at_level(logging.WARNING, logger="remat_plugin") if caplog is not None else contextlib.nullcontext():
         planned = rematerialize(model, args, budget=budget, verbose=False)
     return planned, reference

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from budgets import planned_beside_eager
 from torch import nn
 
 from remat_plugin import rematerialize
@@ -390,8 +391,7 @@ def test_a_value_toggled_back_takes_effect_in_a_model_traced_whole():
     back ran the other branch's step (found 2026-11-29)."""
     torch.manual_seed(0)
     model = _ToggledAuxiliary().double()
-    reference = copy.deepcopy(model)
-    planned = rematerialize(model, (torch.randn(32, 16, dtype=torch.float64),), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (torch.randn(32, 16, dtype=torch.float64),))
     x = torch.randn(32, 16, dtype=torch.float64)
     for use_aux in (True, False, False, True, False):
         model.use_aux = reference.use_aux = use_aux
@@ -419,9 +419,8 @@ def test_a_value_set_on_the_module_over_its_class_s_takes_effect(caplog):
     step kept the class's value (NOTE [values set on the module], found 2026-11-29)."""
     torch.manual_seed(0)
     model = _ClassScaled().double()
-    reference = copy.deepcopy(model)
     x = torch.randn(4, 8, dtype=torch.float64)
-    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,))
     for attr, value in (("scale", 1.0), ("scale", 3.0), ("extra", 0.5), ("scale", 1.0)):
         setattr(model, attr, value)
         setattr(reference, attr, value)
@@ -458,9 +457,8 @@ def test_globals_and_a_settings_object_the_forward_reads_are_watched(caplog):
     global TEMPERATURE
     torch.manual_seed(0)
     model = _ReadsGlobals().double()
-    reference = copy.deepcopy(model)
     x = torch.randn(4, 8, dtype=torch.float64)
-    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,))
     try:
         for temperature, noise_scale in ((1.0, 0.0), (2.0, 0.0), (2.0, 0.5), (1.0, 0.5)):
             TEMPERATURE, SETTINGS.noise_scale = temperature, noise_scale
@@ -493,9 +491,8 @@ def test_a_settings_object_a_module_holds_is_watched():
     """``self.cfg.scale`` of a dataclass the module holds, changed after planning (NOTE [settings a module holds])."""
     torch.manual_seed(0)
     model = _ReadsItsSettings(_BlockSettings()).double()
-    reference = copy.deepcopy(model)
     x = torch.randn(4, 8, dtype=torch.float64)
-    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,))
     for scale, gated in ((1.0, False), (2.0, False), (2.0, True), (1.0, False)):
         for m in (model, reference):
             m.cfg.scale, m.cfg.gated = scale, gated
@@ -517,9 +514,8 @@ def test_lists_and_dicts_of_values_changed_in_place_or_replaced_take_effect():
     """NOTE [containers of values] (found 2026-11-29: each was a silent constant)."""
     torch.manual_seed(0)
     model = _ReadsContainers().double()
-    reference = copy.deepcopy(model)
     x = torch.randn(4, 8, dtype=torch.float64)
-    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,))
     changes = [lambda m: m.scales.__setitem__(0, 3.0), lambda m: setattr(m, "scales", [0.5, 1.0]),
                lambda m: m.opts.__setitem__("scale", 2.0), lambda m: m.opts.__setitem__("dims", (1,))]
     for i, change in enumerate(changes):
@@ -555,9 +551,8 @@ def test_a_forward_patched_after_planning_takes_effect():
     logger that traces to the same graph (captured again once, then no longer watched)."""
     torch.manual_seed(0)
     model = _TwoTanh().double()
-    reference = copy.deepcopy(model)
     x = torch.randn(4, 8, dtype=torch.float64)
-    planned = rematerialize(model, (x,), budget=10**9, verbose=False)
+    planned, reference = planned_beside_eager(model, (x,))
     for m in (model, reference):
         m.a.forward = types.MethodType(_sigmoid_forward, m.a)
     assert torch.equal(planned(x), reference(x))

@@ -189,8 +189,11 @@ class AutoRemat(pl.Callback):
         loop.setup_data()
         batch = next(iter(trainer.train_dataloader))  # type: ignore[arg-type]
         batch = pl_module._apply_batch_transfer_handler(batch)
-        args, kwargs = self.session.record_call(lambda: pl_module.training_step(batch, 0))
-        choice = tune_batch_size(self.session, args, kwargs)  # the options of self.config, the session's
+        # in the context Lightning runs training steps in (64-true's default dtype, a mixed precision's autocast): a
+        # search outside it planned another graph than the training steps run, which captured again
+        with trainer.precision_plugin.train_step_context():
+            args, kwargs = self.session.record_call(lambda: pl_module.training_step(batch, 0))
+            choice = tune_batch_size(self.session, args, kwargs)  # the options of self.config, the session's
         lightning_setattr(pl_module, self.batch_arg_name, choice.batch_size)
         loop._combined_loader = None  # fit rebuilds the training dataloader with the new size
         self.batch_size_choice = choice

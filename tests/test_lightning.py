@@ -373,6 +373,20 @@ def test_auto_batch_size_takes_the_largest_that_fits_and_one_real_step():
     assert nxt.min_feasible_bytes > choice.budget_bytes
 
 
+def test_auto_batch_size_under_bf16_mixed_plans_the_step_training_runs():
+    """The search runs in Lightning's training-step context: under bf16-mixed it planned the fp32 step outside
+    autocast (a batch of 32 under 40 MiB), and training planned its autocast step again (found 2026-11-29)."""
+    options = _options("data.seq_lens=[128]", "data.batches_per_len=64", "trainer.max_steps=2", "data.batch_size=4",
+                       "trainer.precision=bf16-mixed")
+    budget = 40 * 2**20
+    recorder = StepRecorder()
+    auto = AutoRemat(budget=budget, auto_batch_size=True, multiple_of=4, ilp_time_limit_s=0.2)
+    train(options, [auto, recorder])
+    choice = auto.batch_size_choice
+    assert recorder.batch_sizes == [choice.batch_size] * 2 and max(recorder.peaks) <= budget
+    assert auto.session.n_solved == 1, "training replays the plan the search verified"
+
+
 def test_auto_batch_size_beside_a_loss_plans_the_logits_held_without_a_gradient():
     """A large vocabulary makes the logits most of the step: sizes are planned with them held without a gradient,
     as the first plan steps down to (NOTE [loss-only first plan]), so the chosen size is one whose plan with the

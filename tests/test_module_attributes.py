@@ -5,6 +5,7 @@ import argparse
 import copy
 import dataclasses
 import logging
+import sys
 import types
 
 import pytest
@@ -570,3 +571,140 @@ def test_a_forward_patched_after_planning_takes_effect():
         assert planned._resolver.n_solved + planned._resolver.n_replayed == captures + 1
     finally:
         _Tanh.forward = original
+
+
+def _lightning_module_reading_its_hparams() -> nn.Module:
+    import lightning as L
+
+    class ReadsHparams(L.LightningModule):
+        def __init__(self, scale: float = 1.0, gated: bool = False):
+            super().__init__()
+            self.save_hyperparameters()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x) * self.hparams.scale
+            return (torch.sigmoid(h) * h if self.hparams.gated else h).square().mean()
+    return ReadsHparams()
+
+
+class _ReadsOmegaConf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from omegaconf import OmegaConf
+        self.cfg = OmegaConf.create({"model": {"scale": 1.0, "dims": [0]}, "gated": False})
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x) * self.cfg.model.scale
+        return (torch.sigmoid(h) * h if self.cfg.gated else h).square().mean(dim=tuple(self.cfg.model.dims)).sum()
+
+
+@pytest.mark.parametrize("kind", ["lightning hparams", "omegaconf"])
+def test_lightning_hparams_and_an_omegaconf_config_the_forward_reads_are_watched(kind):
+    """``self.hparams.scale`` (an ``AttributeDict`` held as ``_hparams``) and ``self.cfg.model.scale`` of a
+    ``DictConfig``, changed after planning: silent constants before (found 2026-11-29; NOTE [settings a module
+    holds])."""
+    torch.manual_seed(0)
+    model = (_lightning_module_reading_its_hparams() if kind == "lightning hparams" else _ReadsOmegaConf()).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,))
+    for scale, gated in ((1.0, False), (2.0, False), (2.0, True), (1.0, False), (2.0, False)):
+        for m in (model, reference):
+            if kind == "lightning hparams":
+                m.hparams.scale, m.hparams.gated = scale, gated
+            else:
+                m.cfg.model.scale, m.cfg.gated = scale, gated
+        assert torch.equal(planned(x), reference(x)), (scale, gated)
+    if kind == "omegaconf":  # a nested list changed in place
+        for m in (model, reference):
+            m.cfg.model.dims[0] = 1
+        assert torch.equal(planned(x), reference(x))
+
+
+_settings_file = types.ModuleType("remat_test_settings_file")  # stands for ``import config as C`` of the user's
+_settings_file.SCALE = 1.0
+sys.modules[_settings_file.__name__] = _settings_file
+
+
+class _ReadsASettingsFile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return (self.lin(x) * _settings_file.SCALE).square().mean()
+
+
+def test_a_value_of_a_settings_file_the_forward_reads_is_watched(caplog):
+    """``C.SCALE`` of another Python file, changed between steps (NOTE [a settings file's values]): a silent
+    constant before (found 2026-11-29)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(_ReadsASettingsFile().double(), (x,))
+    try:
+        for scale in (1.0, 2.0, 1.0, 3.0):
+            _settings_file.SCALE = scale
+            with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+                assert torch.equal(planned(x), reference(x)), scale
+    finally:
+        _settings_file.SCALE = 1.0
+    assert "SCALE (a global of remat_test_settings_file) (2.0, traced with 1.0)" in caplog.text, caplog.text
+
+
+class _MakesConstants(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x):
+        # a tensor in the default dtype, and one made from a value the module holds
+        return (self.lin(x) * torch.tensor(self.scale, dtype=x.dtype) + torch.tensor(1 / 3)).square().mean()
+
+
+def test_the_default_dtype_and_a_value_read_through_a_tensor_made_of_it_are_watched():
+    """NOTE [default dtype]: ``torch.set_default_dtype`` after planning failed inside the graph ("Tensor dtype
+    mismatch").  A value read only through ``torch.tensor(self.scale)`` was found not read at its first change (the
+    graph's code the same, the constant's contents not compared), so changing it back went unseen (found
+    2026-11-29, :func:`remat_plugin.capture.export.graph_text`)."""
+    torch.manual_seed(0)
+    model = _MakesConstants().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,))
+    try:
+        for dtype, scale in ((torch.float32, 1.0), (torch.float64, 1.0), (torch.float32, 1.0), (torch.float64, 1.0),
+                             (torch.float32, 2.0), (torch.float32, 1.0), (torch.float32, 2.0)):
+            torch.set_default_dtype(dtype)
+            model.scale = reference.scale = scale
+            assert torch.equal(planned(x), reference(x)), (dtype, scale)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class _HoldsAGain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gain = torch.ones(8, dtype=torch.float64)  # a plain tensor attribute, changed in place by the loop
+        self.steps = 0
+
+    def forward(self, x):
+        return (self.lin(x) * self.gain).square().mean()
+
+
+def test_a_tensor_the_model_holds_changed_in_place_does_not_capture_at_every_step():
+    """Its contents are the caller's to change (NOTE [tensor attributes]): the graph comparison that finds the step
+    counter not read takes its dtype and shape only, or the model captured again at every step."""
+    model = _HoldsAGain().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,))
+    made = []
+    for step in range(1, 5):
+        model.steps = reference.steps = step
+        with torch.no_grad():
+            model.gain.mul_(1.1)
+            reference.gain.mul_(1.1)
+        assert torch.equal(planned(x), reference(x)), step
+        made.append(planned._resolver.n_solved + planned._resolver.n_replayed + planned._resolver.n_refined)
+    assert made == [2, 2, 2, 2], made

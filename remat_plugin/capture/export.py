@@ -7,6 +7,7 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 """
 from __future__ import annotations
 
+import hashlib
 import linecache
 import logging
 import re
@@ -221,6 +222,8 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     graded.check(module, args, kwargs)  # NOTE [graded constants]
     assigned.check(type(module).__name__)  # NOTE [tensors the forward keeps]
     gm = restore_functions(exported.module())
+    gm.meta[HELD_META] = frozenset(id(v) for m in module.modules() for v in vars(m).values()
+                                   if isinstance(v, torch.Tensor))  # graph_text's constants of the model's own
     gm.meta[MUTATED_INPUTS_META] = mutated_inputs(exported)  # NOTE [inputs written by the forward]
     refuse_unreplayable_effects(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]
@@ -474,6 +477,7 @@ class CompiledStep:
 
 LAYERS_META = "remat_plugin.repeated_layers"  # an exported module's RepeatedLayers, in its .meta
 GUARD_META = "remat_plugin.guard"  # the Python values its export read, in its .meta (NOTE [module attributes])
+HELD_META = "remat_plugin.held_tensors"  # ids of the tensors the model holds as attributes, when it was exported
 _told_whole: set[tuple[str, str]] = set()
 
 
@@ -482,15 +486,33 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
     of the graphs inside it (a region's: an autocast or no_grad block, whose constants are not in ``gm.code``),
     and with layers traced once, their templates' code, each layer call's id (new at every capture) replaced by
     its template.  ``gm.code`` alone took a value read only inside a region for one the forward does not read,
-    and never matched for a layered model, which captured again at every step for a step counter it keeps."""
+    and never matched for a layered model, which captured again at every step for a step counter it keeps.  The
+    tensors the forward made from Python values (``torch.tensor(self.scale)``, a constant in the default dtype)
+    are attributes of the graph, not its code: their dtypes, shapes and contents are in the text too, or a
+    changed value read only through one was taken for one not read, and its next change went unseen (found
+    2026-11-29).  A tensor the model holds (``self.mask``, NOTE [tensor attributes]) is the very tensor in both
+    captures, watched by identity, its contents the caller's to change in place: only its dtype and shape."""
     def code(m: torch.fx.GraphModule) -> str:
-        return "\n".join(sub.code for sub in m.modules() if isinstance(sub, torch.fx.GraphModule))
+        held = m.meta.get(HELD_META, frozenset())
+        return "\n".join(sub.code + "".join(_constant_text(name, t, id(t) in held) for name, t in vars(sub).items()
+                                            if isinstance(t, torch.Tensor))
+                         for sub in m.modules() if isinstance(sub, torch.fx.GraphModule))
 
     layers = gm.meta.get(LAYERS_META)
     if layers is None:
         return code(gm)
     text, templates = layers.with_templates(code(gm))
     return "\n".join([text, *map(code, templates)])
+
+
+def _constant_text(name: str, t: torch.Tensor, held: bool) -> str:
+    """A lifted constant as :func:`graph_text` compares it: its dtype, shape and, made by the forward, a digest of
+    its bytes."""
+    digest = "held by the model"
+    if not held:
+        data = t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+    return f"\n# {name}: {t.dtype} {tuple(t.shape)} {digest}"
 
 
 def _warn_traced_whole(model: str, exc: Exception) -> None:

@@ -60,7 +60,10 @@ NOTE [settings a module holds]
     dataclass instance, an ``argparse.Namespace`` or a ``SimpleNamespace``), read as ``self.cfg.dropout``.  Only
     transformers' configs held as ``config`` were watched, so a changed field of such an object was a silent
     constant (found 2026-11-29).  The plain fields of each such object a module holds, under any name, are in
-    the guard, as a transformers config's are.
+    the guard, as a transformers config's are.  A mapping of a type of its own is such an object, its string
+    keys its fields: Lightning's ``self.hparams`` (an ``AttributeDict`` the module holds as ``_hparams``) and an
+    OmegaConf ``DictConfig`` (``self.cfg.model.dropout``, its nested configs frozen as containers are) were
+    silent constants too (found 2026-11-29).
 
 NOTE [containers of values]
     A module may hold its values in a list or dict (``self.scales = [1.0, 2.0]``, ``self.opts = {"scale": 1.0}``;
@@ -68,7 +71,14 @@ NOTE [containers of values]
     replace it.  Only bools, numbers, strings, None and short tuples of them were watched, so either was a silent
     constant (found 2026-11-29).  A list, tuple or dict (string keys) of such values, up to 64 items and two levels
     deep, is watched by a frozen copy (:class:`_Frozen`) compared at every step; larger ones (a classifier's
-    ``id2label``) are not.
+    ``id2label``) are not.  A mapping or mutable sequence of another type nested in one (an OmegaConf
+    ``DictConfig`` or ``ListConfig``) is frozen as a dict or list is.
+
+NOTE [default dtype]
+    A forward that makes a tensor without a dtype (``torch.ones(n)``, ``torch.tensor(0.5)``) makes it in torch's
+    default dtype, which the traced graph holds as a constant: a script setting ``torch.set_default_dtype`` after
+    planning ran a step that failed inside the graph ("Tensor dtype mismatch") or computed in the old dtype
+    (found 2026-11-29).  The default dtype is in every guard.
 
 NOTE [forward replaced]
     Patching a module's forward after planning (``layer.forward = MethodType(patched, layer)``, or its class's
@@ -90,13 +100,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableSequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
-from remat_plugin.capture.read_globals import globals_read, settings_object
+from remat_plugin.capture.read_globals import field, fields, globals_read, is_mapping, set_field, settings_object
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +128,7 @@ _CHILDREN = "<submodules>"  # an entry for a module's submodules, by name and id
 _OWN = "<attributes>"  # an entry for the names a module's __dict__ holds (NOTE [values set on the module])
 _UNSET = object()  # the module held no value of its own when traced: the forward read its class's, or none
 _FORWARD = "<forward>"  # an entry for the function a module's call runs (NOTE [forward replaced])
+_DEFAULT_DTYPE = "<default dtype>"  # an entry for torch's default dtype (NOTE [default dtype])
 
 
 def _forward_of(module: Any) -> Any:
@@ -138,28 +151,34 @@ class _Frozen:
     items: tuple  # the values, frozen; a dict's as (key, value) pairs
 
     def thawed(self) -> Any:
-        if self.kind is dict:
-            return {k: _thawed(v) for k, v in self.items}
-        return self.kind(_thawed(v) for v in self.items)
+        if issubclass(self.kind, Mapping):
+            return cast(Any, self.kind)({k: _thawed(v) for k, v in self.items})
+        return cast(Any, self.kind)([_thawed(v) for v in self.items])
 
 
 def _frozen(v: Any, depth: int = 0) -> Any:
     """``v`` as an entry holds it: a plain container frozen (:class:`_Frozen`), anything else as it is."""
     kind = type(v)
-    if kind in _SCALARS or depth >= 2 or kind not in (list, tuple, dict) or len(v) > 64:
+    if kind in _SCALARS or depth >= 2 or not (kind in (list, tuple) or isinstance(v, (Mapping, MutableSequence))):
         return v
-    if kind is tuple and len(v) <= 8 and all(type(x) in _SCALARS for x in v):
-        return v  # immutable already
-    if kind is dict:
-        if not all(type(k) is str for k in v):
+    try:  # a mapping's own lookup may raise (an OmegaConf value left missing): then it is no plain container
+        if len(v) > 64:
             return v
-        return _Frozen(dict, tuple((k, _frozen(x, depth + 1)) for k, x in v.items()))
-    return _Frozen(kind, tuple(_frozen(x, depth + 1) for x in v))
+        if kind is tuple and len(v) <= 8 and all(type(x) in _SCALARS for x in v):
+            return v  # immutable already
+        if isinstance(v, Mapping):
+            items = list(v.items())
+            if not all(type(k) is str for k, _ in items):
+                return v
+            return _Frozen(kind, tuple((k, _frozen(x, depth + 1)) for k, x in items))
+        return _Frozen(kind, tuple(_frozen(x, depth + 1) for x in v))
+    except Exception:  # noqa: BLE001
+        return v
 
 
 def _is_plain_frozen(f: Any) -> bool:
     if isinstance(f, _Frozen):
-        return all(_is_plain_frozen(x) for x in ([v for _, v in f.items] if f.kind is dict else f.items))
+        return all(_is_plain_frozen(x) for x in ([v for _, v in f.items] if issubclass(f.kind, Mapping) else f.items))
     return type(f) in _SCALARS or (type(f) is tuple and len(f) <= 8 and all(type(x) in _SCALARS for x in f))
 
 
@@ -171,7 +190,7 @@ def _plain(v: Any) -> bool:
 def _watched(name: str, v: Any) -> bool:
     """A plain value the guard holds; containers under private names are nn.Module's own (``_buffers``, empty in
     a leaf) or a library's bookkeeping (transformers' ``_tp_plan``), which a forward does not branch on."""
-    return _plain(v) and not (name.startswith("_") and type(v) in (list, dict))
+    return _plain(v) and not (name.startswith("_") and type(v) in (list, dict, OrderedDict))
 
 
 def _thawed(v: Any) -> Any:
@@ -192,7 +211,7 @@ def _is_config(v: Any) -> bool:
 def snapshot(module: nn.Module) -> list[Entry]:
     """The plain values of ``module``'s submodules, of the transformers configs and settings objects they hold, and
     of the globals their forwards read."""
-    entries: list[Entry] = []
+    entries: list[Entry] = [(torch, _DEFAULT_DTYPE, torch.get_default_dtype(), "torch's default dtype")]
     configs: dict[int, tuple[str, Any]] = {}
     for path, sub in module.named_modules():
         entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
@@ -207,7 +226,7 @@ def snapshot(module: nn.Module) -> list[Entry]:
     entries.extend((owner, name, _frozen(v), where) for owner, name, v, where in
                    globals_read({type(sub) for sub in module.modules()}) if _watched(name, v))
     for where, config in configs.values():
-        entries.extend((config, name, _frozen(v), f"{where}.{name}") for name, v in vars(config).items()
+        entries.extend((config, name, _frozen(v), f"{where}.{name}") for name, v in fields(config).items()
                        if name not in _LEFT_OUT and _watched(name, v))
     return entries
 
@@ -236,7 +255,9 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
             if now is not value and where not in skip:
                 out.append((where, now, value))
             continue
-        now = vars(owner).get(name, _MISSING)
+        now = vars(owner).get(name, _MISSING) if not is_mapping(owner) else field(owner, name, _MISSING)
+        if name is _DEFAULT_DTYPE:
+            now = torch.get_default_dtype()
         if not _same(_frozen(now), value) and where not in skip:
             out.append((where, now, value))
     return out
@@ -287,16 +308,16 @@ class TracedValues:
         again (NOTE [values the forward sets]); returns what puts them back, or None where there are none."""
         written = self._written() - _told_written.get(self.module, set())
         entries = [e for e in self.before if e[3] in written]
-        if not entries or any(name is _CHILDREN or name is _FORWARD for _, name, _, _ in entries) or \
+        if not entries or any(name in (_CHILDREN, _FORWARD, _DEFAULT_DTYPE) for _, name, _, _ in entries) or \
                 all(value is None for _, _, value, _ in entries):
             return None  # a submodule replaced; values set once only, which the guard sets (NOTE [values set once])
         after = self.after or {}
         for owner, name, _, where in entries:
-            setattr(owner, name, _thawed(after[where]))
+            set_field(owner, name, _thawed(after[where]))
 
         def put_back() -> None:
             for owner, name, value, _ in entries:
-                setattr(owner, name, _thawed(value))
+                set_field(owner, name, _thawed(value))
         return put_back
 
     def wrote_nothing(self) -> bool:
@@ -315,7 +336,7 @@ class TracedValues:
                 entries[i] = (owner, name, value | now if now is not _MISSING else value, where)
                 continue
             if where in written and value is None and now is not None and now is not _MISSING:
-                setattr(owner, name, _thawed(now))  # what the eager first call leaves behind; torch.export put it back
+                set_field(owner, name, _thawed(now))  # what the eager first call leaves behind; torch.export put it back
                 entries[i] = (owner, name, now, where)
                 written.discard(where)
         if written:

@@ -9,8 +9,15 @@ NOTE [globals the forward reads]
     levels, nested functions included), for the names it loads: those bound in its globals to a plain value, or
     to such a settings object (each of its plain fields), join the step's guard (NOTE [module attributes] in
     :mod:`remat_plugin.capture.module_attributes`).  torch's and transformers' own classes are not read: their
-    globals are the libraries' constants.  A value read through a function of another file, or a global
-    container other than those (a dict), is not seen.
+    globals are the libraries' constants.  A value read through a function of another file is not seen.
+
+NOTE [a settings file's values]
+    ``import config as C`` and ``x * C.TEMPERATURE`` reads a value of another Python file, a module global to the
+    forward's: its name skipped (a module is no value), ``C.TEMPERATURE = 2.0`` between steps was a silent
+    constant (found 2026-11-29).  For a global bound to a module of the user's (not the standard library's, not
+    torch's or transformers'), the attributes the code names that it holds join the guard: the code's names are
+    those of every attribute read, so a name it reads of something else that the module also holds joins too, a
+    value that does not change (and, changed, captured again once and then left out: not read).
 """
 from __future__ import annotations
 
@@ -20,16 +27,65 @@ import functools
 import inspect
 import sys
 import types
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 _LIBRARIES = ("torch.", "transformers.")
+_NOT_USERS = ("torch", "transformers") + tuple(sys.stdlib_module_names)
+_MOST_FIELDS = 64  # a mapping of more is a table (a vocabulary), not settings
 
 
 def settings_object(v: Any) -> bool:
-    """A settings object whose fields a forward reads: a namespace or a dataclass instance."""
+    """A settings object whose fields a forward reads: a namespace, a dataclass instance, or a mapping of a type
+    of its own (Lightning's ``hparams``, an OmegaConf ``DictConfig``; NOTE [settings a module holds])."""
     return isinstance(v, (argparse.Namespace, types.SimpleNamespace)) or \
-        (dataclasses.is_dataclass(v) and not isinstance(v, type) and hasattr(v, "__dict__"))
+        (dataclasses.is_dataclass(v) and not isinstance(v, type) and hasattr(v, "__dict__")) or \
+        (isinstance(v, Mapping) and type(v) not in (dict, OrderedDict) and not isinstance(v, type))
+
+
+def fields(obj: Any) -> dict[str, Any]:
+    """A settings object's fields by name: a mapping's string-keyed items, up to 64 (none where reading them fails:
+    an OmegaConf value left missing), an object's ``vars()``."""
+    if not isinstance(obj, Mapping):
+        return vars(obj)
+    try:
+        return {k: v for k, v in obj.items() if type(k) is str} if len(obj) <= _MOST_FIELDS else {}
+    except Exception:  # noqa: BLE001 - whatever a mapping's own lookup raises: nothing to watch
+        return {}
+
+
+_mapping_types: dict[type, bool] = {}
+
+
+def is_mapping(obj: Any) -> bool:
+    """``isinstance(obj, Mapping)``, by type, remembered: the guard asks it of every entry at every step."""
+    kind = type(obj)
+    known = _mapping_types.get(kind)
+    if known is None:
+        known = _mapping_types[kind] = isinstance(obj, Mapping)
+    return known
+
+
+def field(obj: Any, name: str, missing: Any) -> Any:
+    """One field of a settings object, a module or an ``nn.Module``, as :func:`fields` reads it."""
+    if not is_mapping(obj):
+        return vars(obj).get(name, missing)
+    try:
+        return obj.get(name, missing)
+    except Exception:  # noqa: BLE001 - as fields()
+        return missing
+
+
+def set_field(obj: Any, name: str, value: Any) -> None:
+    if isinstance(obj, Mapping):
+        obj[name] = value  # type: ignore[index]
+    else:
+        setattr(obj, name, value)
+
+
+def _users_module(v: Any) -> bool:
+    return isinstance(v, types.ModuleType) and v.__name__.partition(".")[0] not in _NOT_USERS
 
 
 @functools.lru_cache(maxsize=256)
@@ -49,18 +105,22 @@ def _names_read(cls: type) -> tuple[tuple[str, str], ...]:
         done.add(fn.__code__)
         g = fn.__globals__
         module_name = g.get("__name__", fn.__module__)  # where the names it loads live
+        names: dict[str, None] = {}
         codes = [fn.__code__]
         while codes:  # the function's code and the code nested in it (comprehensions, closures)
             code = codes.pop()
             codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-            for name in code.co_names:
-                # a method by its name on the class, read without running a descriptor (a property's getter)
-                value = g[name] if name in g else inspect.getattr_static(cls, name, None)
-                if name in g and not isinstance(value, (types.FunctionType, type, types.ModuleType)):
-                    found[(module_name, name)] = None
-                elif isinstance(value, types.FunctionType) and getattr(inspect.unwrap(value), "__globals__", None) is g \
-                        and depth < 2:
-                    todo.append((value, depth + 1))
+            names.update(dict.fromkeys(code.co_names))
+        for name in names:
+            # a method by its name on the class, read without running a descriptor (a property's getter)
+            value = g[name] if name in g else inspect.getattr_static(cls, name, None)
+            if _users_module(value):  # NOTE [a settings file's values]
+                found.update(((value.__name__, attr), None) for attr in names if attr in vars(value))
+            elif name in g and not isinstance(value, (types.FunctionType, type, types.ModuleType)):
+                found[(module_name, name)] = None
+            elif isinstance(value, types.FunctionType) and getattr(inspect.unwrap(value), "__globals__", None) is g \
+                    and depth < 2:
+                todo.append((value, depth + 1))
     return tuple(found)
 
 
@@ -73,7 +133,7 @@ def globals_read(classes: set[type]) -> Iterator[tuple[Any, str, Any, str]]:
             continue
         value = vars(owner).get(name)
         if settings_object(value):
-            for field, v in vars(value).items():
-                yield value, field, v, f"{name}.{field} (a global of {module_name})"
+            for key, v in fields(value).items():
+                yield value, key, v, f"{name}.{key} (a global of {module_name})"
         else:
             yield owner, name, value, f"{name} (a global of {module_name})"

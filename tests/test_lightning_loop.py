@@ -23,7 +23,7 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_siz
 def _run(options, budget=None, callbacks=(), **kwargs):
     recorder = StepRecorder()
     auto = AutoRemat(budget=budget, ilp_time_limit_s=0.2, verbose=False) if budget is not None else None
-    trainer, model = train(options, [*([auto] if auto else []), recorder, *callbacks], **kwargs)
+    _, model = train(options, [*([auto] if auto else []), recorder, *callbacks], **kwargs)
     return recorder, auto, model
 
 
@@ -135,3 +135,44 @@ def test_a_model_without_a_graph_fits_with_the_losses_of_the_run_without_remat(p
     plan = auto.session.plan
     assert plan.fallback and 0 < sum(b.mode == "checkpoint" for b in plan.blocks) < 8
     assert 0 < plan.predicted_peak_bytes <= budget < plan.baseline_peak_bytes, plan.table()
+
+
+class _EpochScaled(pl.LightningModule):
+    """A warm-up that ends at epoch 1, read in the forward as Lightning's ``self.current_epoch`` (a property that
+    reads the trainer's loop)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                         for _ in range(4)))
+        self._losses: list[float] = []  # private: a public list of values would be watched too
+
+    def forward(self, x):
+        h = self.net(x)
+        return (h if self.current_epoch < 1 else h * 2.0).square().mean()
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch[0])
+        self._losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        data = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
+
+
+def test_the_current_epoch_read_in_the_forward_takes_effect():
+    """``self.current_epoch`` in the planned forward: the planned steps of epoch 1 ran epoch 0's branch, silently
+    (found 2026-11-29; NOTE [properties the forward reads]).  Every loss of two epochs equals the plain run's."""
+    losses = []
+    for callbacks in ([], [AutoRemat(budget=10**9, ilp_time_limit_s=0.2, verbose=False)]):
+        model = _EpochScaled()
+        pl.Trainer(max_epochs=2, precision="64-true", accelerator="cpu", logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(model)
+        losses.append(model._losses)
+    assert len(losses[1]) == 4 and losses[1] == losses[0]
+    assert callbacks[0].session.n_solved == 2, "epoch 1's branch is another graph, planned at its first step"

@@ -708,3 +708,41 @@ def test_a_tensor_the_model_holds_changed_in_place_does_not_capture_at_every_ste
         assert torch.equal(planned(x), reference(x)), step
         made.append(planned._resolver.n_solved + planned._resolver.n_replayed + planned._resolver.n_refined)
     assert made == [2, 2, 2, 2], made
+
+
+class _Schedule:
+    def __init__(self):
+        self.epoch = 0
+
+
+_SCHEDULE = _Schedule()  # an object of the script's, no settings object: read only through the property
+
+
+class _ReadsAProperty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    @property
+    def warming_up(self) -> bool:
+        return _SCHEDULE.epoch < 1
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h if self.warming_up else torch.tanh(h) * 2.0).square().mean()
+
+
+def test_a_property_the_forward_reads_is_watched(caplog):
+    """``self.warming_up``, a property reading a schedule outside the model, turned False after planning: the
+    planned step kept the warm-up branch (found 2026-11-29; NOTE [properties the forward reads])."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(_ReadsAProperty().double(), (x,))
+    try:
+        for epoch in (0, 1, 0, 2):
+            _SCHEDULE.epoch = epoch
+            with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+                assert torch.equal(planned(x), reference(x)), epoch
+    finally:
+        _SCHEDULE.epoch = 0
+    assert "warming_up (False, traced with True)" in caplog.text, caplog.text

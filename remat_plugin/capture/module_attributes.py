@@ -108,7 +108,15 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from remat_plugin.capture.read_globals import field, fields, globals_read, is_mapping, set_field, settings_object
+from remat_plugin.capture.read_globals import (
+    field,
+    fields,
+    globals_read,
+    is_mapping,
+    properties_read,
+    set_field,
+    settings_object,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +137,18 @@ _OWN = "<attributes>"  # an entry for the names a module's __dict__ holds (NOTE 
 _UNSET = object()  # the module held no value of its own when traced: the forward read its class's, or none
 _FORWARD = "<forward>"  # an entry for the function a module's call runs (NOTE [forward replaced])
 _DEFAULT_DTYPE = "<default dtype>"  # an entry for torch's default dtype (NOTE [default dtype])
+
+
+class _Property(str):
+    """An entry's name that is a property of its module's class: read with ``getattr`` (NOTE [properties the
+    forward reads] in :mod:`remat_plugin.capture.read_globals`)."""
+
+
+def _read_property(module: Any, name: str) -> Any:
+    try:
+        return getattr(module, name)
+    except Exception:  # noqa: BLE001 - whatever the getter raises (Lightning's trainer, none attached): unwatched
+        return _MISSING
 
 
 def _forward_of(module: Any) -> Any:
@@ -217,6 +237,10 @@ def snapshot(module: nn.Module) -> list[Entry]:
         entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
         entries.append((sub, _OWN, frozenset(sub.__dict__), f"{path}.{_OWN}" if path else _OWN))
         entries.append((sub, _FORWARD, _forward_of(sub), f"{path}.forward" if path else "forward"))
+        for name in properties_read(type(sub)):
+            v = _read_property(sub, name)
+            if _watched(name, v):
+                entries.append((sub, _Property(name), _frozen(v), f"{path}.{name}" if path else name))
         for name, v in sub.__dict__.items():
             if _watched(name, v):
                 entries.append((sub, name, _frozen(v), f"{path}.{name}" if path else name))
@@ -258,6 +282,8 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
         now = vars(owner).get(name, _MISSING) if not is_mapping(owner) else field(owner, name, _MISSING)
         if name is _DEFAULT_DTYPE:
             now = torch.get_default_dtype()
+        elif type(name) is _Property:
+            now = _read_property(owner, name)
         if not _same(_frozen(now), value) and where not in skip:
             out.append((where, now, value))
     return out
@@ -308,7 +334,8 @@ class TracedValues:
         again (NOTE [values the forward sets]); returns what puts them back, or None where there are none."""
         written = self._written() - _told_written.get(self.module, set())
         entries = [e for e in self.before if e[3] in written]
-        if not entries or any(name in (_CHILDREN, _FORWARD, _DEFAULT_DTYPE) for _, name, _, _ in entries) or \
+        if not entries or any(name in (_CHILDREN, _FORWARD, _DEFAULT_DTYPE) or type(name) is _Property
+                              for _, name, _, _ in entries) or \
                 all(value is None for _, _, value, _ in entries):
             return None  # a submodule replaced; values set once only, which the guard sets (NOTE [values set once])
         after = self.after or {}
@@ -335,7 +362,8 @@ class TracedValues:
             if name is _OWN:  # the names as the traced forward left them: what it added is not the caller's change
                 entries[i] = (owner, name, value | now if now is not _MISSING else value, where)
                 continue
-            if where in written and value is None and now is not None and now is not _MISSING:
+            if where in written and value is None and now is not None and now is not _MISSING and \
+                    type(name) is not _Property:
                 set_field(owner, name, _thawed(now))  # what the eager first call leaves behind; torch.export put it back
                 entries[i] = (owner, name, now, where)
                 written.discard(where)

@@ -18,6 +18,14 @@ NOTE [a settings file's values]
     torch's or transformers'), the attributes the code names that it holds join the guard: the code's names are
     those of every attribute read, so a name it reads of something else that the module also holds joins too, a
     value that does not change (and, changed, captured again once and then left out: not read).
+
+NOTE [properties the forward reads]
+    A property read as ``self.current_epoch`` (Lightning's, reading the trainer's loop) or one of the user's
+    (``self.warming_up``, reading a schedule object) is a value the guard did not see: it is in no ``__dict__``,
+    and the graph holds what it returned when traced (found 2026-11-29).  The properties of a model class whose
+    forward's code (and its file's helpers, as above) names them are read at every step; a plain value they
+    return joins the guard (NOTE [module attributes]).  One that raises (Lightning's ``trainer`` with none
+    attached) or returns anything else (a device, a dtype) is not watched.
 """
 from __future__ import annotations
 
@@ -89,12 +97,14 @@ def _users_module(v: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _names_read(cls: type) -> tuple[tuple[str, str], ...]:
-    """``(module name, global name)`` pairs ``cls.forward`` and the functions it names in its file load."""
+def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """``(module name, global name)`` pairs ``cls.forward`` and the functions it names in its file load, and the
+    names of ``cls``'s properties they read (NOTE [properties the forward reads])."""
     forward = getattr(cls, "forward", None)
     if not isinstance(forward, types.FunctionType) or cls.__module__.startswith(_LIBRARIES):
-        return ()
+        return (), ()
     found: dict[tuple[str, str], None] = {}
+    properties: dict[str, None] = {}
     todo: list[tuple[types.FunctionType, int]] = [(forward, 0)]
     done: set[types.CodeType] = set()
     while todo:
@@ -114,20 +124,27 @@ def _names_read(cls: type) -> tuple[tuple[str, str], ...]:
         for name in names:
             # a method by its name on the class, read without running a descriptor (a property's getter)
             value = g[name] if name in g else inspect.getattr_static(cls, name, None)
-            if _users_module(value):  # NOTE [a settings file's values]
+            if isinstance(value, property) and name not in g:  # NOTE [properties the forward reads]
+                properties[name] = None
+            elif _users_module(value):  # NOTE [a settings file's values]
                 found.update(((value.__name__, attr), None) for attr in names if attr in vars(value))
             elif name in g and not isinstance(value, (types.FunctionType, type, types.ModuleType)):
                 found[(module_name, name)] = None
             elif isinstance(value, types.FunctionType) and getattr(inspect.unwrap(value), "__globals__", None) is g \
                     and depth < 2:
                 todo.append((value, depth + 1))
-    return tuple(found)
+    return tuple(found), tuple(properties)
+
+
+def properties_read(cls: type) -> tuple[str, ...]:
+    """The names of ``cls``'s properties its forward's code reads (NOTE [properties the forward reads])."""
+    return _names_read(cls)[1]
 
 
 def globals_read(classes: set[type]) -> Iterator[tuple[Any, str, Any, str]]:
     """``(owner, name, value, where)`` for the plain-or-settings globals the classes' forwards read: ``owner``
     holds ``name`` in its ``vars()`` (a Python module for a global, the settings object for a field)."""
-    for module_name, name in sorted({pair for cls in classes for pair in _names_read(cls)}):
+    for module_name, name in sorted({pair for cls in classes for pair in _names_read(cls)[0]}):
         owner = sys.modules.get(module_name)
         if owner is None:
             continue

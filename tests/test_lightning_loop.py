@@ -1,6 +1,7 @@
 """AutoRemat under the training loops Lightning users write: gradient accumulation, layers unfrozen mid-run."""
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -176,3 +177,30 @@ def test_the_current_epoch_read_in_the_forward_takes_effect():
         losses.append(model._losses)
     assert len(losses[1]) == 4 and losses[1] == losses[0]
     assert callbacks[0].session.n_solved == 2, "epoch 1's branch is another graph, planned at its first step"
+
+
+class _LogsInItsForward(_EpochScaled):
+    def forward(self, x):
+        h = self.net(x)
+        self.log("h_mean", h.mean())
+        return h.square().mean()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._logged.append(float(self.trainer.callback_metrics["h_mean"]))
+
+
+def test_self_log_in_the_forward_falls_back_naming_the_call_and_logs_every_value(caplog):
+    """Lightning's ``self.log`` in the planned forward cannot be traced (export failed in a ``deepcopy`` of a fake
+    tensor, a message naming ``copy.py``): the fallback's warning names the model's line and the fix, and the
+    fallback, which runs the forward's Python, logs the values the plain run logs."""
+    logged = []
+    for callbacks in ([], [AutoRemat(budget=10**9, ilp_time_limit_s=0.2, verbose=False)]):
+        model = _LogsInItsForward()
+        model._logged = []
+        with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+            pl.Trainer(max_epochs=1, precision="64-true", accelerator="cpu", logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks).fit(model)
+        logged.append(model._logged)
+    assert len(logged[1]) == 2 and logged[1] == logged[0]
+    assert "test_lightning_loop.py" in caplog.text and "(forward)" in caplog.text, caplog.text
+    assert "calls Lightning's self.log" in caplog.text and "log it in training_step" in caplog.text

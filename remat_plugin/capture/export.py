@@ -79,6 +79,22 @@ def _eager_experts(frame: FrameType | None) -> bool:
         getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
 
 
+_LIGHTNING = re.compile(r"[/\\](pytorch_)?lightning[/\\]")
+
+
+def _lightning_log(frames: list[FrameType]) -> tuple[str, FrameType] | None:
+    """``(method, the frame that called it)`` where the failing trace ran Lightning's ``self.log``/``log_dict``."""
+    for i, frame in enumerate(frames):
+        if frame.f_code.co_name in ("log", "log_dict") and _LIGHTNING.search(frame.f_code.co_filename):
+            callers = [f for f in frames[:i] if "site-packages/torch" not in f.f_code.co_filename
+                       and not _LIGHTNING.search(f.f_code.co_filename) and f.f_code.co_filename != __file__
+                       and not f.f_code.co_filename.startswith("<")
+                       and not passing_on(f.f_code)]
+            if callers:
+                return frame.f_code.co_name, callers[-1]
+    return None
+
+
 _TORCH_NN = "site-packages/torch/nn/"
 _RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
 
@@ -171,9 +187,17 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
             library_line = code
         where += inner
         hint = ""
+        logged = _lightning_log(frames)
+        if logged is not None:  # export failed deep in the logger (a deepcopy of a fake tensor): name the model's line
+            f = logged[1]
+            where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
         data_dependent = "data-dependent" in first or "DataDependent" in type(exc).__name__
         drops = _layer_drops(module, user) if data_dependent else []
-        if "cache_utils" in first or "Cache'> in output" in first:
+        if logged is not None:
+            hint = (f" (the forward calls Lightning's self.{logged[0]}, which keeps the value it is given and cannot "
+                    "be traced: a planned step would not log. Return the value from the forward and log it in "
+                    "training_step)")
+        elif "cache_utils" in first or "Cache'> in output" in first:
             hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
                     "for it; call the model with use_cache=False)")
         elif "_ctc_loss" in first:

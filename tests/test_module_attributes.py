@@ -8,6 +8,7 @@ import logging
 import sys
 import types
 
+import guard_helpers as _helpers_file  # the user's ``helpers.py``
 import pytest
 import torch
 from budgets import planned_beside_eager
@@ -746,3 +747,30 @@ def test_a_property_the_forward_reads_is_watched(caplog):
     finally:
         _SCHEDULE.epoch = 0
     assert "warming_up (False, traced with True)" in caplog.text, caplog.text
+
+
+_scaled = _helpers_file.scaled  # ``from helpers import scaled``
+
+
+class _CallsHelpersOfAnotherFile(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (_scaled(h) + _helpers_file.shifted(h)).square().mean()
+
+
+def test_a_value_read_through_a_function_of_another_file_is_watched():
+    """``scaled(h)`` of the user's other file reads that file's ``SCALE``, and through ``shifted`` its ``SHIFT``:
+    silent constants before (found 2026-11-29; NOTE [a settings file's values])."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(_CallsHelpersOfAnotherFile().double(), (x,))
+    try:
+        for scale, shift in ((1.0, 0.0), (2.0, 0.0), (2.0, 0.5), (1.0, 0.0)):
+            _helpers_file.SCALE, _helpers_file.SHIFT = scale, shift
+            assert torch.equal(planned(x), reference(x)), (scale, shift)
+    finally:
+        _helpers_file.SCALE, _helpers_file.SHIFT = 1.0, 0.0

@@ -9,7 +9,7 @@ NOTE [globals the forward reads]
     levels, nested functions included), for the names it loads: those bound in its globals to a plain value, or
     to such a settings object (each of its plain fields), join the step's guard (NOTE [module attributes] in
     :mod:`remat_plugin.capture.module_attributes`).  torch's and transformers' own classes are not read: their
-    globals are the libraries' constants.  A value read through a function of another file is not seen.
+    globals are the libraries' constants.
 
 NOTE [a settings file's values]
     ``import config as C`` and ``x * C.TEMPERATURE`` reads a value of another Python file, a module global to the
@@ -17,7 +17,11 @@ NOTE [a settings file's values]
     constant (found 2026-11-29).  For a global bound to a module of the user's (not the standard library's, not
     torch's or transformers'), the attributes the code names that it holds join the guard: the code's names are
     those of every attribute read, so a name it reads of something else that the module also holds joins too, a
-    value that does not change (and, changed, captured again once and then left out: not read).
+    value that does not change (and, changed, captured again once and then left out: not read).  The functions
+    of the user's other files the code calls (``from helpers import scaled``, or ``helpers.scaled(h)``) are read
+    as the forward's file's are, for the globals of their own files: a value read through one was not seen
+    either (found 2026-11-29).  A module or function installed as a package (its file under ``site-packages``) is
+    a library's, not read.
 
 NOTE [properties the forward reads]
     A property read as ``self.current_epoch`` (Lightning's, reading the trainer's loop) or one of the user's
@@ -93,7 +97,19 @@ def set_field(obj: Any, name: str, value: Any) -> None:
 
 
 def _users_module(v: Any) -> bool:
-    return isinstance(v, types.ModuleType) and v.__name__.partition(".")[0] not in _NOT_USERS
+    """A Python module of the user's: not the standard library's, torch's or transformers', not an installed one."""
+    return isinstance(v, types.ModuleType) and v.__name__.partition(".")[0] not in _NOT_USERS and \
+        "-packages" not in (getattr(v, "__file__", None) or "")
+
+
+def _users_function(fn: Any, g: dict) -> bool:
+    """A function whose code :func:`_names_read` reads: one of the same file as ``g``'s, or of a module of the
+    user's (NOTE [a settings file's values])."""
+    fn = inspect.unwrap(fn)
+    if not isinstance(fn, types.FunctionType):
+        return False
+    return fn.__globals__ is g or (str(fn.__module__).partition(".")[0] not in _NOT_USERS
+                                   and "-packages" not in fn.__code__.co_filename)
 
 
 @functools.lru_cache(maxsize=256)
@@ -128,10 +144,12 @@ def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]
                 properties[name] = None
             elif _users_module(value):  # NOTE [a settings file's values]
                 found.update(((value.__name__, attr), None) for attr in names if attr in vars(value))
+                if depth < 2:  # its functions the code names (``helpers.scaled(h)``)
+                    todo.extend((f, depth + 1) for attr in names
+                                if _users_function(f := vars(value).get(attr), g))
             elif name in g and not isinstance(value, (types.FunctionType, type, types.ModuleType)):
                 found[(module_name, name)] = None
-            elif isinstance(value, types.FunctionType) and getattr(inspect.unwrap(value), "__globals__", None) is g \
-                    and depth < 2:
+            elif isinstance(value, types.FunctionType) and _users_function(value, g) and depth < 2:
                 todo.append((value, depth + 1))
     return tuple(found), tuple(properties)
 

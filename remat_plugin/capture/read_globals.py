@@ -90,7 +90,7 @@ def field(obj: Any, name: str, missing: Any) -> Any:
 
 
 def set_field(obj: Any, name: str, value: Any) -> None:
-    if isinstance(obj, Mapping):
+    if is_mapping(obj):
         obj[name] = value  # type: ignore[index]
     else:
         setattr(obj, name, value)
@@ -114,8 +114,8 @@ def _users_function(fn: Any, g: dict) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
-    """``(module name, global name)`` pairs ``cls.forward`` and the functions it names in its file load, and the
-    names of ``cls``'s properties they read (NOTE [properties the forward reads])."""
+    """``(module name, global name)`` pairs ``cls.forward`` and the functions of the user's it names load (two
+    levels), and the names of ``cls``'s properties they read (NOTE [properties the forward reads])."""
     forward = getattr(cls, "forward", None)
     if not isinstance(forward, types.FunctionType) or cls.__module__.startswith(_LIBRARIES):
         return (), ()

@@ -774,3 +774,72 @@ def test_a_value_read_through_a_function_of_another_file_is_watched():
             assert torch.equal(planned(x), reference(x)), (scale, shift)
     finally:
         _helpers_file.SCALE, _helpers_file.SHIFT = 1.0, 0.0
+
+
+@dataclasses.dataclass
+class _RunSettings:
+    block: _BlockSettings = dataclasses.field(default_factory=_BlockSettings)
+    lr: float = 0.1
+
+
+_RUN = _RunSettings()
+
+
+class _ReadsNestedSettings(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x) * self.cfg.block.scale * _RUN.block.scale
+        return (torch.sigmoid(h) * h if self.cfg.block.gated else h).square().mean()
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "namespace"])
+def test_nested_settings_objects_are_watched(kind):
+    """``self.cfg.block.scale`` of a dataclass in a dataclass (or a namespace in a namespace) held by the module,
+    and ``_RUN.block.scale`` of a global one: only the outer object's plain fields were watched (found
+    2026-11-29; NOTE [settings a module holds])."""
+    torch.manual_seed(0)
+    cfg = _RunSettings() if kind == "dataclass" else \
+        types.SimpleNamespace(block=types.SimpleNamespace(scale=1.0, gated=False))
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model = _ReadsNestedSettings(cfg).double()
+    planned, reference = planned_beside_eager(model, (x,))
+    try:
+        for scale, gated, run_scale in ((1.0, False, 1.0), (2.0, False, 1.0), (2.0, True, 1.0), (1.0, False, 1.0),
+                                        (1.0, False, 3.0), (1.0, False, 1.0)):
+            for m in (model, reference):
+                m.cfg.block.scale, m.cfg.block.gated = scale, gated
+            _RUN.block.scale = run_scale
+            assert torch.equal(planned(x), reference(x)), (scale, gated, run_scale)
+    finally:
+        _RUN.block.scale = 1.0
+
+
+class _BranchesOnAnEpoch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.epoch = 0
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (h if self.epoch < 2 else torch.tanh(h)).square().mean()
+
+
+def test_a_value_read_only_in_a_branch_condition_stays_watched(caplog):
+    """``self.epoch < 2``: epoch 1 exported the same graph as epoch 0, so ``epoch`` was taken for a value not read
+    and left the guard, and epoch 2 on ran epoch 0's branch, silently (found 2026-11-29; NOTE [values named in the
+    code]).  A value the code names stays watched; changed at every step, it is told about again at its third
+    capture."""
+    torch.manual_seed(0)
+    model = _BranchesOnAnEpoch().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,))
+    with caplog.at_level(logging.WARNING, logger="remat_plugin"):
+        for epoch in (0, 1, 2, 3, 1):
+            model.epoch = reference.epoch = epoch
+            assert torch.equal(planned(x), reference(x)), epoch
+    assert "epoch changed 3 times since planning" in caplog.text, caplog.text

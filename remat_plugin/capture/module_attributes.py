@@ -63,7 +63,9 @@ NOTE [settings a module holds]
     the guard, as a transformers config's are.  A mapping of a type of its own is such an object, its string
     keys its fields: Lightning's ``self.hparams`` (an ``AttributeDict`` the module holds as ``_hparams``) and an
     OmegaConf ``DictConfig`` (``self.cfg.model.dropout``, its nested configs frozen as containers are) were
-    silent constants too (found 2026-11-29).
+    silent constants too (found 2026-11-29).  The settings objects among an object's fields (``cfg.block.scale``,
+    a dataclass in a dataclass or a namespace in a namespace; a transformers config nested in one) are watched
+    field by field too, two levels deep: only the outer object's plain fields were (found 2026-11-29).
 
 NOTE [containers of values]
     A module may hold its values in a list or dict (``self.scales = [1.0, 2.0]``, ``self.opts = {"scale": 1.0}``;
@@ -110,11 +112,12 @@ from torch import Tensor, nn
 
 from remat_plugin.capture.read_globals import (
     field,
-    fields,
     globals_read,
     is_mapping,
+    named_in_code,
     properties_read,
     set_field,
+    settings_fields,
     settings_object,
 )
 
@@ -129,6 +132,8 @@ Entry = tuple[Any, str, Any, str]  # (owner: a module or a config, attribute, va
 _not_read: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 _told_written: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 _told_changed: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+_changes: weakref.WeakKeyDictionary[nn.Module, dict[str, int]] = weakref.WeakKeyDictionary()
+_TOLD_AGAIN_AT = 3  # captures of one value, the third said again: it changes at every step
 
 
 _SWAPPED = object()  # a submodule replaced, added or removed
@@ -228,6 +233,11 @@ def _is_config(v: Any) -> bool:
         hasattr(v, "to_dict")
 
 
+def _settings_or_config(v: Any) -> bool:
+    """A settings object, or a transformers config nested in one (a multimodal config's ``text_config``)."""
+    return settings_object(v) or _is_config(v)
+
+
 def snapshot(module: nn.Module) -> list[Entry]:
     """The plain values of ``module``'s submodules, of the transformers configs and settings objects they hold, and
     of the globals their forwards read."""
@@ -249,8 +259,10 @@ def snapshot(module: nn.Module) -> list[Entry]:
     # NOTE [globals the forward reads]
     entries.extend((owner, name, _frozen(v), where) for owner, name, v, where in
                    globals_read({type(sub) for sub in module.modules()}) if _watched(name, v))
+    seen: set[int] = set()
     for where, config in configs.values():
-        entries.extend((config, name, _frozen(v), f"{where}.{name}") for name, v in fields(config).items()
+        entries.extend((owner, name, _frozen(v), at) for owner, name, v, at in
+                       settings_fields(config, where, _settings_or_config, seen)
                        if name not in _LEFT_OUT and _watched(name, v))
     return entries
 
@@ -394,11 +406,20 @@ def traced_values(module: nn.Module) -> Iterator[TracedValues]:
 
 
 def not_read(module: nn.Module, changed: Iterable[tuple[str, Any, Any]]) -> None:
-    """These values changed and the new capture exported the same graph: the forward does not read them.  A
-    replaced submodule or tensor stays watched: the graph runs the tensor, and another module may trace otherwise."""
+    """These values changed and the new capture exported the same graph: the forward does not read them, unless
+    its code names them (NOTE [values named in the code] in :mod:`remat_plugin.capture.read_globals`: a branch's
+    condition).  A replaced submodule or tensor stays watched: the graph runs the tensor, and another module may
+    trace otherwise."""
+    named = named_in_code({type(m) for m in module.modules()})
     _not_read.setdefault(module, set()).update(
         where for where, now, was in changed if now is not _SWAPPED and not isinstance(now, Tensor)
-        and not isinstance(was, Tensor))
+        and not isinstance(was, Tensor) and _attribute_name(where) not in named)
+
+
+def _attribute_name(where: str) -> str:
+    """The name a value has in code, from where an entry says it is (``layers.0.p``, ``TEMPERATURE (a global of
+    m)``, ``cfg.block.scale (a global of m)``)."""
+    return where.split(" (a global of ")[0].rsplit(".", 1)[-1]
 
 
 def with_tensors(guard: Guard, module: nn.Module, tensors: dict[str, Tensor]) -> Guard:
@@ -430,6 +451,16 @@ def say_changed(module: nn.Module, changed: list[tuple[str, Any, Any]]) -> None:
             type(module).__name__, ", ".join(f"{where} (replaced by another module)" if now is _SWAPPED else
                                              f"{where} ({_shown(now)}, traced with {_shown(was)})"
                                              for where, now, was in new[:3]))
+    counts = _changes.setdefault(module, {})
+    for where, _, _ in changed:
+        counts[where] = counts.get(where, 0) + 1
+    often = [where for where, _, _ in changed if counts[where] == _TOLD_AGAIN_AT]
+    if often:  # NOTE [values named in the code]: a value the code names stays watched whatever the graph
+        log.warning(
+            "remat_plugin: %s's %s changed %d times since planning, each change capturing the model again (about a second "
+            "each): the forward's code names it, so it may decide a branch and stays watched. If it changes at every "
+            "step, hold it in a tensor buffer (register_buffer), an input of the step, or compute the branch outside "
+            "the model", type(module).__name__, ", ".join(often[:3]), _TOLD_AGAIN_AT)
 
 
 def _shown(v: Any) -> str:

@@ -30,6 +30,17 @@ NOTE [properties the forward reads]
     forward's code (and its file's helpers, as above) names them are read at every step; a plain value they
     return joins the guard (NOTE [module attributes]).  One that raises (Lightning's ``trainer`` with none
     attached) or returns anything else (a device, a dtype) is not watched.
+
+NOTE [values named in the code]
+    A changed value whose new capture exports the same graph was taken for one the forward does not read and left
+    the guard (NOTE [module attributes]).  A value read only in a branch's condition exports the same graph until
+    the branch flips: ``h if self.epoch < 2 else torch.tanh(h)`` captured again at epoch 1, found the same graph,
+    stopped watching ``epoch``, and ran epoch 0's branch from epoch 2 on, silently (found 2026-11-29).  A value
+    whose name the code of the model's own classes holds (their forwards and the user's functions they call, as
+    read above) now stays watched whatever the graph: each change captures again, and a value changed at every
+    step is told about once more, at its third capture.  A value no code of the user's names (a step count the
+    loop keeps on the model, a framework's bookkeeping) leaves the guard as before; so does one read only by
+    torch's or transformers' own modules, whose code is not read.
 """
 from __future__ import annotations
 
@@ -40,7 +51,7 @@ import inspect
 import sys
 import types
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 _LIBRARIES = ("torch.", "transformers.")
@@ -113,14 +124,16 @@ def _users_function(fn: Any, g: dict) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...], frozenset[str]]:
     """``(module name, global name)`` pairs ``cls.forward`` and the functions of the user's it names load (two
-    levels), and the names of ``cls``'s properties they read (NOTE [properties the forward reads])."""
+    levels), the names of ``cls``'s properties they read (NOTE [properties the forward reads]), and every name
+    their code holds (NOTE [values named in the code])."""
     forward = getattr(cls, "forward", None)
     if not isinstance(forward, types.FunctionType) or cls.__module__.startswith(_LIBRARIES):
-        return (), ()
+        return (), (), frozenset()
     found: dict[tuple[str, str], None] = {}
     properties: dict[str, None] = {}
+    every: set[str] = set()
     todo: list[tuple[types.FunctionType, int]] = [(forward, 0)]
     done: set[types.CodeType] = set()
     while todo:
@@ -137,6 +150,7 @@ def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]
             code = codes.pop()
             codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
             names.update(dict.fromkeys(code.co_names))
+        every.update(names)
         for name in names:
             # a method by its name on the class, read without running a descriptor (a property's getter)
             value = g[name] if name in g else inspect.getattr_static(cls, name, None)
@@ -151,7 +165,13 @@ def _names_read(cls: type) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]
                 found[(module_name, name)] = None
             elif isinstance(value, types.FunctionType) and _users_function(value, g) and depth < 2:
                 todo.append((value, depth + 1))
-    return tuple(found), tuple(properties)
+    return tuple(found), tuple(properties), frozenset(every)
+
+
+def named_in_code(classes: set[type]) -> frozenset[str]:
+    """Every name the code of the classes' forwards and the user's functions they call holds: attributes read
+    and globals loaded alike (NOTE [values named in the code])."""
+    return frozenset().union(*(_names_read(cls)[2] for cls in classes))
 
 
 def properties_read(cls: type) -> tuple[str, ...]:
@@ -168,7 +188,26 @@ def globals_read(classes: set[type]) -> Iterator[tuple[Any, str, Any, str]]:
             continue
         value = vars(owner).get(name)
         if settings_object(value):
-            for key, v in fields(value).items():
-                yield value, key, v, f"{name}.{key} (a global of {module_name})"
+            for settings, key, v, where in settings_fields(value, name):
+                yield settings, key, v, f"{where} (a global of {module_name})"
         else:
             yield owner, name, value, f"{name} (a global of {module_name})"
+
+
+def settings_fields(obj: Any, where: str, nested: Callable[[Any], bool] = settings_object,
+                    seen: set[int] | None = None) -> Iterator[tuple[Any, str, Any, str]]:
+    """``(settings object, field, value, where)`` for the fields of ``obj`` and of the settings objects among them,
+    two levels (``cfg.model.scale`` of nested dataclasses or namespaces: NOTE [settings a module holds]); each
+    object once (``seen``, ids)."""
+    seen = set() if seen is None else seen
+    todo = [(obj, where, 0)]
+    while todo:
+        settings, at, depth = todo.pop()
+        if id(settings) in seen:
+            continue
+        seen.add(id(settings))
+        for key, v in fields(settings).items():
+            if depth < 2 and nested(v):
+                todo.append((v, f"{at}.{key}", depth + 1))
+            else:
+                yield settings, key, v, f"{at}.{key}"

@@ -4,6 +4,7 @@ read, stops being watched."""
 import argparse
 import copy
 import dataclasses
+import functools
 import logging
 import sys
 import types
@@ -843,3 +844,57 @@ def test_a_value_read_only_in_a_branch_condition_stays_watched(caplog):
             model.epoch = reference.epoch = epoch
             assert torch.equal(planned(x), reference(x)), epoch
     assert "epoch changed 3 times since planning" in caplog.text, caplog.text
+
+
+class _HoldsFunctions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = torch.tanh
+        self.out_act = functools.partial(nn.functional.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x):
+        return self.out_act(self.act(self.lin(x))).square().mean()
+
+
+def test_a_function_a_module_holds_swapped_after_planning_takes_effect():
+    """``block.act = torch.sigmoid`` and a new ``functools.partial``: the planned step ran the traced functions
+    (found 2026-11-29; NOTE [functions a module holds])."""
+    torch.manual_seed(0)
+    model = _HoldsFunctions().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,))
+    for act, slope in ((torch.tanh, 0.1), (torch.sigmoid, 0.1), (torch.sigmoid, 0.3), (torch.tanh, 0.1)):
+        for m in (model, reference):
+            m.act, m.out_act = act, functools.partial(nn.functional.leaky_relu, negative_slope=slope)
+        assert torch.equal(planned(x), reference(x)), (act, slope)
+
+
+class _ClassSettingsBase(nn.Module):
+    temperature = 1.0
+
+
+class _ReadsClassAttributes(_ClassSettingsBase):
+    use_tanh = False
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x) / self.temperature
+        return (torch.tanh(h) if self.use_tanh else h).square().mean()
+
+
+def test_a_class_attribute_changed_on_the_class_takes_effect():
+    """``Base.temperature = 2.0`` and ``Cls.use_tanh = True``, set on the classes for every instance: the planned
+    step held the traced values (found 2026-11-29; NOTE [class attributes the forward reads])."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(_ReadsClassAttributes().double(), (x,))
+    try:
+        for temperature, use_tanh in ((1.0, False), (2.0, False), (2.0, True), (1.0, False)):
+            _ClassSettingsBase.temperature, _ReadsClassAttributes.use_tanh = temperature, use_tanh
+            assert torch.equal(planned(x), reference(x)), (temperature, use_tanh)
+    finally:
+        _ClassSettingsBase.temperature, _ReadsClassAttributes.use_tanh = 1.0, False

@@ -90,6 +90,14 @@ NOTE [forward replaced]
     traces to the same graph (a logger around the old forward) leaves the guard, as a value not read does.  A
     torch function patched globally (``torch.tanh = ...``) is not seen.
 
+NOTE [functions a module holds]
+    A module may hold a function as a value rather than as a submodule: ``self.act = torch.tanh``, or
+    ``functools.partial(F.leaky_relu, negative_slope=0.1)``.  Swapping it after planning (``block.act =
+    torch.sigmoid``) changed what eager runs while the planned step ran the traced graph, silently (found
+    2026-11-29): only plain values and submodules were watched.  Each function a module holds (a callable that is
+    no module, tensor or class) is in the guard by identity, and so is one set later under a name its class has (a
+    method shadowed).
+
 NOTE [values set once]
     A forward that fills in a value left None (transformers' classification heads set
     ``config.problem_type`` from the labels at their first call) writes it once and then reads it.
@@ -111,6 +119,7 @@ import torch
 from torch import Tensor, nn
 
 from remat_plugin.capture.read_globals import (
+    class_values_read,
     field,
     globals_read,
     is_mapping,
@@ -218,6 +227,12 @@ def _watched(name: str, v: Any) -> bool:
     return _plain(v) and not (name.startswith("_") and type(v) in (list, dict, OrderedDict))
 
 
+def _function_held(name: str, v: Any) -> bool:
+    """A function a module holds as a value (``self.act = torch.tanh``, a ``functools.partial``), watched by
+    identity (NOTE [functions a module holds]); its own forward has an entry of its own (NOTE [forward replaced])."""
+    return callable(v) and not isinstance(v, (nn.Module, Tensor, type)) and name != "forward"
+
+
 def _thawed(v: Any) -> Any:
     return v.thawed() if isinstance(v, _Frozen) else v
 
@@ -243,19 +258,25 @@ def snapshot(module: nn.Module) -> list[Entry]:
     of the globals their forwards read."""
     entries: list[Entry] = [(torch, _DEFAULT_DTYPE, torch.get_default_dtype(), "torch's default dtype")]
     configs: dict[int, tuple[str, Any]] = {}
+    class_values: dict[tuple[type, str], Any] = {}
     for path, sub in module.named_modules():
         entries.append((sub, _CHILDREN, _children(sub), f"{path}.{_CHILDREN}" if path else _CHILDREN))
         entries.append((sub, _OWN, frozenset(sub.__dict__), f"{path}.{_OWN}" if path else _OWN))
         entries.append((sub, _FORWARD, _forward_of(sub), f"{path}.forward" if path else "forward"))
+        for owner, name, v in class_values_read(type(sub)):  # NOTE [class attributes the forward reads]
+            if name not in sub.__dict__ and _watched(name, v):
+                class_values[(owner, name)] = v
         for name in properties_read(type(sub)):
             v = _read_property(sub, name)
             if _watched(name, v):
                 entries.append((sub, _Property(name), _frozen(v), f"{path}.{name}" if path else name))
         for name, v in sub.__dict__.items():
-            if _watched(name, v):
+            if _watched(name, v) or _function_held(name, v):
                 entries.append((sub, name, _frozen(v), f"{path}.{name}" if path else name))
             elif ((name == "config" and _is_config(v)) or settings_object(v)) and id(v) not in configs:
                 configs[id(v)] = (f"{path}.{name}" if path else name, v)  # NOTE [settings a module holds]
+    entries.extend((owner, name, _frozen(v), f"{owner.__name__}.{name} (a class attribute)")
+                   for (owner, name), v in class_values.items())
     # NOTE [globals the forward reads]
     entries.extend((owner, name, _frozen(v), where) for owner, name, v, where in
                    globals_read({type(sub) for sub in module.modules()}) if _watched(name, v))
@@ -283,7 +304,7 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
                 base = where[: -len(_OWN)]
                 # a value equal to the class's it shadows changes nothing (and would be found "not read")
                 out.extend((f"{base}{k}", v, _UNSET) for k, v in own.items()
-                           if k not in value and _watched(k, v) and f"{base}{k}" not in skip
+                           if k not in value and (_watched(k, v) or _function_held(k, v)) and f"{base}{k}" not in skip
                            and not _same(_frozen(v), _frozen(getattr(type(owner), k, _UNSET))))
             continue
         if name is _FORWARD:  # NOTE [forward replaced]
@@ -418,8 +439,8 @@ def not_read(module: nn.Module, changed: Iterable[tuple[str, Any, Any]]) -> None
 
 def _attribute_name(where: str) -> str:
     """The name a value has in code, from where an entry says it is (``layers.0.p``, ``TEMPERATURE (a global of
-    m)``, ``cfg.block.scale (a global of m)``)."""
-    return where.split(" (a global of ")[0].rsplit(".", 1)[-1]
+    m)``, ``cfg.block.scale (a global of m)``, ``Block.scale (a class attribute)``)."""
+    return where.split(" (")[0].rsplit(".", 1)[-1]
 
 
 def with_tensors(guard: Guard, module: nn.Module, tensors: dict[str, Tensor]) -> Guard:

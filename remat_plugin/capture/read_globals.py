@@ -31,6 +31,12 @@ NOTE [properties the forward reads]
     return joins the guard (NOTE [module attributes]).  One that raises (Lightning's ``trainer`` with none
     attached) or returns anything else (a device, a dtype) is not watched.
 
+NOTE [class attributes the forward reads]
+    ``self.temperature`` read from the class (``class Block(nn.Module): temperature = 1.0``) and changed there
+    (``Block.temperature = 0.5``, for every instance at once) was a silent constant: the guard held the instances'
+    own values only (found 2026-11-29).  A plain value a class of the module's MRO holds under a name its forward's
+    code names, where the module holds none of its own, is in the guard, its owner the class.
+
 NOTE [values named in the code]
     A changed value whose new capture exports the same graph was taken for one the forward does not read and left
     the guard (NOTE [module attributes]).  A value read only in a branch's condition exports the same graph until
@@ -172,6 +178,16 @@ def named_in_code(classes: set[type]) -> frozenset[str]:
     """Every name the code of the classes' forwards and the user's functions they call holds: attributes read
     and globals loaded alike (NOTE [values named in the code])."""
     return frozenset().union(*(_names_read(cls)[2] for cls in classes))
+
+
+def class_values_read(cls: type) -> Iterator[tuple[type, str, Any]]:
+    """``(class, name, value)`` for the values the code of ``cls``'s forward names that a class of its MRO holds
+    (NOTE [class attributes the forward reads]); methods and properties among them too, for the caller to skip."""
+    for name in sorted(_names_read(cls)[2]):
+        for k in cls.__mro__:
+            if name in vars(k):
+                yield k, name, vars(k)[name]
+                break
 
 
 def properties_read(cls: type) -> tuple[str, ...]:

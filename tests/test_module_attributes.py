@@ -898,3 +898,46 @@ def test_a_class_attribute_changed_on_the_class_takes_effect():
             assert torch.equal(planned(x), reference(x)), (temperature, use_tanh)
     finally:
         _ClassSettingsBase.temperature, _ReadsClassAttributes.use_tanh = 1.0, False
+
+
+class _Warmup:
+    def __init__(self):
+        self.warm = True
+        self.scale = 1.0
+
+
+class _Scaler:
+    def __init__(self, s: float):
+        self.s = s
+
+    def __call__(self, h):
+        return h * self.s
+
+
+class _HoldsUserObjects(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.schedule = _Warmup()
+        self.scaler = _Scaler(1.0)
+        self.cfg = _BlockSettings()
+
+    def forward(self, x):
+        h = self.scaler(self.lin(x)) * self.schedule.scale * self.cfg.scale
+        return (h if self.schedule.warm else torch.tanh(h)).square().mean()
+
+
+def test_objects_of_the_user_s_classes_and_replaced_settings_are_watched():
+    """A schedule object and a callable ``Scaler`` of the user's classes, changed in place, and a dataclass replaced
+    by another (``model.cfg = Cfg(scale=2.0)``): silent constants (found 2026-11-29; NOTE [settings a module
+    holds])."""
+    torch.manual_seed(0)
+    model = _HoldsUserObjects().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    planned, reference = planned_beside_eager(model, (x,))
+    for warm, scale, s, cfg_scale in ((True, 1.0, 1.0, 1.0), (False, 1.0, 1.0, 1.0), (False, 2.0, 1.0, 1.0),
+                                      (False, 2.0, 3.0, 1.0), (False, 2.0, 3.0, 0.5), (True, 1.0, 1.0, 1.0)):
+        for m in (model, reference):
+            m.schedule.warm, m.schedule.scale, m.scaler.s = warm, scale, s
+            m.cfg = _BlockSettings(scale=cfg_scale)
+        assert torch.equal(planned(x), reference(x)), (warm, scale, s, cfg_scale)

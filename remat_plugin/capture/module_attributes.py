@@ -65,7 +65,10 @@ NOTE [settings a module holds]
     OmegaConf ``DictConfig`` (``self.cfg.model.dropout``, its nested configs frozen as containers are) were
     silent constants too (found 2026-11-29).  The settings objects among an object's fields (``cfg.block.scale``,
     a dataclass in a dataclass or a namespace in a namespace; a transformers config nested in one) are watched
-    field by field too, two levels deep: only the outer object's plain fields were (found 2026-11-29).
+    field by field too, two levels deep: only the outer object's plain fields were (found 2026-11-29).  An
+    object of a class the user wrote (a schedule: ``self.schedule.warm``; a callable ``Scaler`` reading
+    ``self.s``) is such an object too, and each object a module holds is also watched by identity: one replaced
+    (``model.cfg = Cfg(scale=2.0)``) was a silent constant, its old fields unchanged (found 2026-11-29).
 
 NOTE [containers of values]
     A module may hold its values in a list or dict (``self.scales = [1.0, 2.0]``, ``self.opts = {"scale": 1.0}``;
@@ -158,6 +161,11 @@ class _Property(str):
     forward reads] in :mod:`remat_plugin.capture.read_globals`)."""
 
 
+class _Held(str):
+    """An entry's name under which a module holds a settings object, watched by identity: one replaced by another
+    (``model.cfg = Cfg(scale=2.0)``) is a changed value (NOTE [settings a module holds])."""
+
+
 def _read_property(module: Any, name: str) -> Any:
     try:
         return getattr(module, name)
@@ -230,7 +238,8 @@ def _watched(name: str, v: Any) -> bool:
 def _function_held(name: str, v: Any) -> bool:
     """A function a module holds as a value (``self.act = torch.tanh``, a ``functools.partial``), watched by
     identity (NOTE [functions a module holds]); its own forward has an entry of its own (NOTE [forward replaced])."""
-    return callable(v) and not isinstance(v, (nn.Module, Tensor, type)) and name != "forward"
+    return callable(v) and not isinstance(v, (nn.Module, Tensor, type)) and name != "forward" and \
+        not settings_object(v)  # a callable object of the user's class: its fields too (NOTE [settings a module holds])
 
 
 def _thawed(v: Any) -> Any:
@@ -273,8 +282,10 @@ def snapshot(module: nn.Module) -> list[Entry]:
         for name, v in sub.__dict__.items():
             if _watched(name, v) or _function_held(name, v):
                 entries.append((sub, name, _frozen(v), f"{path}.{name}" if path else name))
-            elif ((name == "config" and _is_config(v)) or settings_object(v)) and id(v) not in configs:
-                configs[id(v)] = (f"{path}.{name}" if path else name, v)  # NOTE [settings a module holds]
+            elif (name == "config" and _is_config(v)) or settings_object(v):  # NOTE [settings a module holds]
+                entries.append((sub, _Held(name), v, f"{path}.{name}" if path else name))
+                if id(v) not in configs:
+                    configs[id(v)] = (f"{path}.{name}" if path else name, v)
     entries.extend((owner, name, _frozen(v), f"{owner.__name__}.{name} (a class attribute)")
                    for (owner, name), v in class_values.items())
     # NOTE [globals the forward reads]
@@ -309,6 +320,11 @@ def _changed(entries: Iterable[Entry], skip: set[str]) -> list[tuple[str, Any, A
             continue
         if name is _FORWARD:  # NOTE [forward replaced]
             now = _forward_of(owner)
+            if now is not value and where not in skip:
+                out.append((where, now, value))
+            continue
+        if type(name) is _Held:  # NOTE [settings a module holds]: by identity, its fields have entries of their own
+            now = vars(owner).get(name, _MISSING)
             if now is not value and where not in skip:
                 out.append((where, now, value))
             continue
@@ -367,7 +383,7 @@ class TracedValues:
         again (NOTE [values the forward sets]); returns what puts them back, or None where there are none."""
         written = self._written() - _told_written.get(self.module, set())
         entries = [e for e in self.before if e[3] in written]
-        if not entries or any(name in (_CHILDREN, _FORWARD, _DEFAULT_DTYPE) or type(name) is _Property
+        if not entries or any(name in (_CHILDREN, _FORWARD, _DEFAULT_DTYPE) or type(name) in (_Property, _Held)
                               for _, name, _, _ in entries) or \
                 all(value is None for _, _, value, _ in entries):
             return None  # a submodule replaced; values set once only, which the guard sets (NOTE [values set once])
@@ -396,7 +412,7 @@ class TracedValues:
                 entries[i] = (owner, name, value | now if now is not _MISSING else value, where)
                 continue
             if where in written and value is None and now is not None and now is not _MISSING and \
-                    type(name) is not _Property:
+                    type(name) not in (_Property, _Held):
                 set_field(owner, name, _thawed(now))  # what the eager first call leaves behind; torch.export put it back
                 entries[i] = (owner, name, now, where)
                 written.discard(where)

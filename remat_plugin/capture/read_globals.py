@@ -61,16 +61,30 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 _LIBRARIES = ("torch.", "transformers.")
-_NOT_USERS = ("torch", "transformers") + tuple(sys.stdlib_module_names)
+_NOT_USERS = ("torch", "transformers", "remat_plugin") + tuple(sys.stdlib_module_names)  # ours: our own objects
 _MOST_FIELDS = 64  # a mapping of more is a table (a vocabulary), not settings
 
 
 def settings_object(v: Any) -> bool:
-    """A settings object whose fields a forward reads: a namespace, a dataclass instance, or a mapping of a type
-    of its own (Lightning's ``hparams``, an OmegaConf ``DictConfig``; NOTE [settings a module holds])."""
+    """A settings object whose fields a forward reads: a namespace, a dataclass instance, a mapping of a type of
+    its own (Lightning's ``hparams``, an OmegaConf ``DictConfig``), or an object of a class of the user's (a
+    schedule; NOTE [settings a module holds])."""
     return isinstance(v, (argparse.Namespace, types.SimpleNamespace)) or \
         (dataclasses.is_dataclass(v) and not isinstance(v, type) and hasattr(v, "__dict__")) or \
-        (isinstance(v, Mapping) and type(v) not in (dict, OrderedDict) and not isinstance(v, type))
+        (isinstance(v, Mapping) and type(v) not in (dict, OrderedDict) and not isinstance(v, type)) or \
+        _users_object(v)
+
+
+def _users_object(v: Any) -> bool:
+    """An object of a class the user wrote (not torch's, a library's or the standard library's: no module, tensor,
+    optimizer or trainer), holding its values in its ``__dict__``."""
+    kind = type(v)
+    if isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType)) or \
+            not isinstance(getattr(v, "__dict__", None), dict):
+        return False
+    if any(str(k.__module__).partition(".")[0] in _NOT_USERS for k in kind.__mro__[:-1]):
+        return False  # an nn.Module, a tensor, anything built on torch's classes
+    return "-packages" not in (getattr(sys.modules.get(kind.__module__), "__file__", None) or "")
 
 
 def fields(obj: Any) -> dict[str, Any]:

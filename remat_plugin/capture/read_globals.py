@@ -84,7 +84,13 @@ def _users_object(v: Any) -> bool:
         return False
     if any(str(k.__module__).partition(".")[0] in _NOT_USERS for k in kind.__mro__[:-1]):
         return False  # an nn.Module, a tensor, anything built on torch's classes
-    return "-packages" not in (getattr(sys.modules.get(kind.__module__), "__file__", None) or "")
+    return _users(kind.__module__, getattr(sys.modules.get(kind.__module__), "__file__", None))
+
+
+def _users(module_name: str, file: str | None) -> bool:
+    """Code of the user's: not the standard library's, torch's, transformers' or ours, not installed as a package
+    (its file under ``site-packages``); a module with no file (a notebook's ``__main__``) is the user's."""
+    return module_name.partition(".")[0] not in _NOT_USERS and "-packages" not in (file or "")
 
 
 def fields(obj: Any) -> dict[str, Any]:
@@ -129,8 +135,7 @@ def set_field(obj: Any, name: str, value: Any) -> None:
 
 def _users_module(v: Any) -> bool:
     """A Python module of the user's: not the standard library's, torch's or transformers', not an installed one."""
-    return isinstance(v, types.ModuleType) and v.__name__.partition(".")[0] not in _NOT_USERS and \
-        "-packages" not in (getattr(v, "__file__", None) or "")
+    return isinstance(v, types.ModuleType) and _users(v.__name__, getattr(v, "__file__", None))
 
 
 def _users_function(fn: Any, g: dict) -> bool:
@@ -139,8 +144,7 @@ def _users_function(fn: Any, g: dict) -> bool:
     fn = inspect.unwrap(fn)
     if not isinstance(fn, types.FunctionType):
         return False
-    return fn.__globals__ is g or (str(fn.__module__).partition(".")[0] not in _NOT_USERS
-                                   and "-packages" not in fn.__code__.co_filename)
+    return fn.__globals__ is g or _users(str(fn.__module__), fn.__code__.co_filename)
 
 
 @functools.lru_cache(maxsize=256)

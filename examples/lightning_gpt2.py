@@ -159,6 +159,16 @@ def train(options: Options, callbacks: list[pl.Callback], max_steps: int | None 
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _run(argv)
+    finally:
+        # Lightning leaves the process group up; gloo's threads still joinable at interpreter exit aborted a rank
+        # ("terminate called without an active exception") after training had finished.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML config (configs/gpt2_tiny.yaml)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")

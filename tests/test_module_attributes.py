@@ -16,6 +16,7 @@ from budgets import planned_beside_eager
 from torch import nn
 
 from remat_plugin import rematerialize
+from remat_plugin.capture.export import _constant_text
 
 
 class Tempered(nn.Module):
@@ -683,6 +684,18 @@ def test_the_default_dtype_and_a_value_read_through_a_tensor_made_of_it_are_watc
     finally:
         torch.set_default_dtype(torch.float32)
 
+
+
+def test_a_constant_whose_bytes_cannot_be_read_is_never_taken_for_the_same():
+    """``graph_text`` digests a forward-made constant's bytes; a sparse one raised there ("reshape is not implemented
+    for sparse tensors") and one whose bytes cannot be read (a meta tensor here) too.  Sparse ones are digested dense;
+    unreadable ones compare unequal, so a value read through one stays watched."""
+    sparse = torch.eye(3).to_sparse()
+    assert _constant_text("c", sparse, held=False) == _constant_text("c", torch.eye(3).to_sparse(), held=False)
+    assert _constant_text("c", sparse, held=False) != _constant_text("c", (2 * torch.eye(3)).to_sparse(), held=False)
+    unreadable = torch.empty(3, device="meta")
+    assert _constant_text("c", unreadable, held=False) != _constant_text("c", unreadable, held=False)
+    assert "held by the model" in _constant_text("c", unreadable, held=True)
 
 class _HoldsAGain(nn.Module):
     def __init__(self):

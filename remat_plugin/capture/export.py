@@ -8,6 +8,7 @@ emits the programs (see :mod:`remat_plugin.capture.programs`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import linecache
 import logging
 import re
@@ -528,15 +529,21 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
     text, templates = layers.with_templates(code(gm))
     return "\n".join([text, *map(code, templates)])
 
+_unread = itertools.count()  # numbers the constants whose bytes could not be read
+
 
 def _constant_text(name: str, t: torch.Tensor, held: bool) -> str:
     """A lifted constant as :func:`graph_text` compares it: its dtype, shape and, made by the forward, a digest of
     its bytes."""
     digest = "held by the model"
     if not held:
-        data = t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        digest = hashlib.blake2b(data, digest_size=16).hexdigest()
-    return f"\n# {name}: {t.dtype} {tuple(t.shape)} {digest}"
+        try:
+            dense = t.detach().to_dense() if t.layout != torch.strided else t.detach()
+            data = dense.reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+        except (RuntimeError, TypeError):  # bytes that cannot be read are never taken for the same ones
+            digest = f"unread {next(_unread)}"
+    return f"\n# {name}: {t.dtype} {t.layout} {tuple(t.shape)} {digest}"
 
 
 def _warn_traced_whole(model: str, exc: Exception) -> None:

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import linecache
 import logging
-import re
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -24,6 +21,7 @@ from torch import nn
 
 from remat_plugin.capture.assigned_tensors import AssignedTensors, CallDerived
 from remat_plugin.capture.autograd_functions import opaque_functions, restore_functions
+from remat_plugin.capture.capture_failures import export_failure, untraceable
 from remat_plugin.capture.cast_cache import cast_by_the_model, share_parameter_casts
 from remat_plugin.capture.compiled_programs import compile_program
 from remat_plugin.capture.dataclass_trees import outputs_registered
@@ -37,7 +35,7 @@ from remat_plugin.capture.dropped_tangents import (
     some_gradient_reads_part_of_the_tangents,
 )
 from remat_plugin.capture.forward_effects import MUTATED_INPUTS_META, mutated_inputs, refuse_unreplayable_effects
-from remat_plugin.capture.graded_constants import GradedTensors, passing_on
+from remat_plugin.capture.graded_constants import GradedTensors
 from remat_plugin.capture.hf_masks import eager_masks
 from remat_plugin.capture.host_random import HostDraws
 from remat_plugin.capture.in_place_adds import add_in_place, sums_in_place
@@ -49,7 +47,7 @@ from remat_plugin.capture.output_usage import OutputUsage, outputs_beside_the_lo
 from remat_plugin.capture.repeated_layers import RepeatedLayers
 from remat_plugin.capture.segments import MAX_SEGMENTS, SegmentedBackward, compiled_node, ordered_first_call
 from remat_plugin.capture.stride_fallbacks import views_copied_if_needed
-from remat_plugin.capture.tensor_checks import opaque_tensor_checks, traced_line
+from remat_plugin.capture.tensor_checks import opaque_tensor_checks
 from remat_plugin.capture.tensor_hooks import ForwardHooks
 from remat_plugin.errors import CaptureError, RematError
 from remat_plugin.torch_private import (
@@ -71,78 +69,7 @@ from remat_plugin.torch_private import (
 
 log = logging.getLogger(__name__)
 
-
-def _eager_experts(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs transformers' eager experts loop: a method of a module its experts decorator built
-    (``_is_expert_parallel`` is the decorator's) with the ``eager`` implementation."""
-    module = frame.f_locals.get("self") if frame is not None else None
-    return hasattr(module, "_is_expert_parallel") and \
-        getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
-
-
-_LIGHTNING = re.compile(r"[/\\](pytorch_)?lightning[/\\]")
-
-
-def _lightning_log(frames: list[FrameType]) -> tuple[str, FrameType] | None:
-    """``(method, the frame that called it)`` where the failing trace ran Lightning's ``self.log``/``log_dict``."""
-    for i, frame in enumerate(frames):
-        if frame.f_code.co_name in ("log", "log_dict") and _LIGHTNING.search(frame.f_code.co_filename):
-            callers = [f for f in frames[:i] if "site-packages/torch" not in f.f_code.co_filename
-                       and not _LIGHTNING.search(f.f_code.co_filename) and f.f_code.co_filename != __file__
-                       and not f.f_code.co_filename.startswith("<")
-                       and not passing_on(f.f_code)]
-            if callers:
-                return frame.f_code.co_name, callers[-1]
-    return None
-
-
-_TORCH_NN = "site-packages/torch/nn/"
 _RECURRENT_WEIGHTS_WARNING = r"The tensor attributes (self\.[\w.]*_flat_weights\[\d+\](, )?)+ were assigned during export"
-
-
-def _layer_drops(module: nn.Module, user: list[FrameType]) -> list[str]:
-    """The model's LayerDrop settings above zero (``layerdrop=0.1``), where the failing function reads one."""
-    if not user:
-        return []
-    frame = user[-1]
-    lines = linecache.getlines(frame.f_code.co_filename)[frame.f_code.co_firstlineno - 1 : frame.f_lineno]
-    if "layerdrop" not in "".join(lines).lower():  # the failing function, up to the failing line
-        return []
-    config = getattr(module, "config", None)
-    settings = vars(config) if config is not None and hasattr(config, "__dict__") else {}
-    return [f"{k}={v}" for k, v in settings.items()
-            if "layerdrop" in k.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
-
-
-def _enclosing_lines(filename: str, lineno: int) -> list[str]:
-    """The headers of the blocks around a line, innermost first, up to its function's ``def``: a data-dependent
-    branch on a value computed from an argument (``if label_index.size(0) > 0:`` inside ``if labels is not None:``,
-    DeBERTa's classification loss) names the argument there, not on the failing line."""
-    def indent(text: str) -> int:
-        return len(text) - len(text.lstrip())
-
-    line = linecache.getline(filename, lineno)
-    depth, headers = indent(line), []
-    for n in range(lineno - 1, max(lineno - 200, 0), -1):
-        text = linecache.getline(filename, n)
-        if not text.strip() or text.lstrip().startswith(("#", ")", "]", "}")) or indent(text) >= depth:
-            continue
-        depth = indent(text)
-        if text.lstrip().startswith(("def ", "async def ", "class ")):
-            break
-        headers.append(text.strip())
-    return headers
-
-
-def _may_be_the_argument(local: object, argument: torch.Tensor) -> bool:
-    """Whether a value the failing frame holds under an argument's name may be that argument (export runs on fake
-    copies of it, of its sizes and dtype): a library's own local of the same name is not (Pixtral's vision
-    attention builds its own ``attention_mask`` from the image sizes)."""
-    if not isinstance(local, torch.Tensor):
-        return True  # not a local tensor there: read from elsewhere in that line, by the name the regex found
-    sizes = tuple(local.shape)  # a size export holds symbolic (not an int) is no argument's: theirs are static
-    return local.dtype == argument.dtype and len(sizes) == argument.dim() and \
-        all(type(a) is int and a == b for a, b in zip(sizes, argument.shape))
 
 
 def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
@@ -165,83 +92,7 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
                 with assigned.recorded(module, CallDerived()):
                     torch.export.export(module, args, kwargs, strict=False)
     except Exception as exc:  # export raises many types; all mean "this model cannot be captured"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = ""
-        tb = exc.__traceback__
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
-        user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename and f.f_code.co_filename != __file__
-                and not passing_on(f.f_code)]
-        line = ""
-        if user:
-            f = user[-1]
-            where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
-            line = linecache.getline(f.f_code.co_filename, f.f_lineno)
-        library = [f for f in frames[frames.index(user[-1]) + 1 if user else 0 :] if _TORCH_NN in f.f_code.co_filename]
-        inner = library_line = ""
-        if library:  # the torch.nn module line that failed, beneath the model's (a BatchNorm's, a loss's)
-            f = library[-1]
-            code = linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
-            inner = f", inside torch/nn/{f.f_code.co_filename.split(_TORCH_NN)[-1]}:{f.f_lineno}: {code}"
-            library_line = code
-        where += inner
-        hint = ""
-        logged = _lightning_log(frames)
-        if logged is not None:  # export failed deep in the logger (a deepcopy of a fake tensor): name the model's line
-            f = logged[1]
-            where = f" at {f.f_code.co_filename}:{f.f_lineno} ({f.f_code.co_name})"
-        data_dependent = "data-dependent" in first or "DataDependent" in type(exc).__name__
-        drops = _layer_drops(module, user) if data_dependent else []
-        if logged is not None:
-            hint = (f" (the forward calls Lightning's self.{logged[0]}, which keeps the value it is given and cannot "
-                    "be traced: a planned step would not log. Return the value from the forward and log it in "
-                    "training_step)")
-        elif "cache_utils" in first or "Cache'> in output" in first:
-            hint = (" (the model returns its key/value cache, which cannot be captured: a training step has no use "
-                    "for it; call the model with use_cache=False)")
-        elif "_ctc_loss" in first:
-            hint = (" (the CTC loss sizes its work by the values of its lengths, which a traced graph cannot depend "
-                    "on: return the log-probabilities and compute F.ctc_loss outside the model, or call a "
-                    "transformers CTC model without labels=...)")
-        elif any(isinstance(v, nn.utils.rnn.PackedSequence) for f in frames for v in f.f_locals.values()):
-            hint = (" (a PackedSequence holds its batch sizes as a tensor made from the lengths' values, which a "
-                    "graph traced at fixed sizes cannot depend on: run the recurrent layer on the padded batch and "
-                    "mask the padding's outputs (a bidirectional layer's backward direction then also reads the "
-                    "padding), or train this model unplanned)")
-        elif "is not an instance of torch.nn.Parameter" in first:
-            hint = (" (its parameters were swapped for plain tensors, as torch.func.functional_call and "
-                    "torch.nn.utils.stateless do: a planned step is traced on the module's own Parameters; call "
-                    "functional_call on the unplanned model, rm.original, or pass nn.Parameter values, each new set "
-                    "captured again)")
-        elif "num_batches_tracked" in library_line:
-            hint = (" (a BatchNorm built with momentum=None averages its statistics by its batch count, a buffer's "
-                    "value read at every step, which a traced graph cannot depend on: give it a momentum, such as "
-                    "the default 0.1)")
-        elif drops:
-            hint = (f" (LayerDrop: the model draws at every step whether to skip each layer ({', '.join(drops)}), "
-                    "which a traced graph cannot follow: set " + " and ".join(f"config.{d.split('=')[0]} = 0.0"
-                                                                              for d in drops) + " to plan it)")
-        elif data_dependent:
-            blocks = _enclosing_lines(user[-1].f_code.co_filename, user[-1].f_lineno) if user else []
-            read = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)
-                    and any(re.search(rf"\b{re.escape(name)}\b", text) for text in [line, *blocks])
-                    and _may_be_the_argument(user[-1].f_locals.get(name), value)]
-            if read:
-                which = "that line" if re.search(rf"\b{re.escape(read[0])}\b", line) else "the block that line is in"
-                hint = (f" ({which} reads the values of {read[0]!r}, which a traced graph cannot depend on: where it "
-                        f"feeds only the loss, call the model without {read[0]}=... and compute the loss from its "
-                        "outputs; an input that sizes the model's work (image sizes, a count of images) keeps the "
-                        "model unplanned)")
-            elif _eager_experts(user[-1] if user else None):
-                hint = (" (transformers' eager experts loop over the experts a batch routes to, a data-dependent "
-                        "count: build the model with experts_implementation=\"grouped_mm\" or \"batched_mm\", "
-                        "whose sizes do not depend on the routing)")
-        raise CaptureError(
-            f"remat_plugin.capture: torch.export could not capture {type(module).__name__}{where}: "
-            f"{type(exc).__name__}: {first}{hint}"
-        ) from exc
+        raise export_failure(exc, module, kwargs, caller_file=__file__) from exc
     draws.check(type(module).__name__)  # NOTE [host random draws]
     hooks.check(type(module).__name__)  # NOTE [hooks in the forward]
     graded.check(module, args, kwargs)  # NOTE [graded constants]
@@ -253,44 +104,6 @@ def export_module(module: nn.Module, args: tuple, kwargs: dict) -> torch.fx.Grap
     refuse_unreplayable_effects(gm, type(module).__name__)
     opaque_tensor_checks(gm)  # NOTE [tensor checks]
     return gm
-
-
-# NOTE [untraceable graphs]
-#     ``torch.export`` accepts graphs AOTAutograd cannot trace at fixed sizes: an op whose output size
-#     depends on tensor values (boolean-mask indexing ``x[mask]``, ``nonzero``, ``unique``), which export
-#     holds with an unbacked size, or an autograd Function whose backward reads a number from a tensor
-#     (NOTE [autograd Functions]).  The trace happens at the step's first call, so such a model used to
-#     fail there with the tracer's own exception.  It is now a :class:`CaptureError` naming the op and the
-#     model's line, with the per-layer fallback where the model has repeated layers, as for an export that
-#     fails.  Failures after the joint graph is handed to the planner are the planner's and stay as they are.
-def untraceable(exc: Exception, exported: torch.fx.GraphModule | None, model: str) -> CaptureError:
-    """The :class:`CaptureError` of an exported graph AOTAutograd could not trace (NOTE [untraceable graphs])."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    where = ""
-    tb = exc.__traceback__
-    generated = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.startswith("<eval_with_key>"):
-            generated = tb  # the innermost frame of the exported graph's code: the node that failed
-        tb = tb.tb_next
-    if generated is not None and exported is not None:
-        line = linecache.getline(generated.tb_frame.f_code.co_filename, generated.tb_lineno).strip()
-        name = line.split(" = ", 1)[0].split(",")[0].strip() if " = " in line else ""
-        node = next((n for n in exported.graph.nodes if n.name == name), None)
-        source = traced_line(node) if node is not None else None
-        where = f" at {source}" if source else f" at `{line[:200]}`"
-    hint = ""
-    made_like = re.search(r"derivative for aten::(\w+_like) is not implemented", first)
-    if made_like:
-        hint = (f" (torch.{made_like.group(1)} of a tensor that requires grad: eager gives the result no gradient, "
-                "the trace looks for one; call it on the tensor's .detach(), which computes the same)")
-    elif "DynamicOutputShape" in type(exc).__name__ or "DataDependent" in type(exc).__name__ or \
-            "data-dependent" in first:
-        hint = (" (an op whose output size or a branch depends on tensor values, such as x[mask] with a boolean "
-                "mask, nonzero or unique: a graph traced at fixed sizes cannot hold it; write it with sizes that "
-                "do not depend on values, e.g. torch.where(mask, x, 0))")
-    return CaptureError(f"remat_plugin.capture: the graph exported from {model or 'the model'} could not be traced"
-                        f"{where}: {type(exc).__name__}: {first[:300]}{hint}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import functools
 import logging
 import sys
 import types
+import weakref
 
 import guard_helpers as _helpers_file  # the user's ``helpers.py``
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from remat_plugin import rematerialize
 from remat_plugin.capture.export import _constant_text
+from remat_plugin.capture.module_attributes import Guard, snapshot
 
 
 class Tempered(nn.Module):
@@ -696,6 +698,32 @@ def test_a_constant_whose_bytes_cannot_be_read_is_never_taken_for_the_same():
     unreadable = torch.empty(3, device="meta")
     assert _constant_text("c", unreadable, held=False) != _constant_text("c", unreadable, held=False)
     assert "held by the model" in _constant_text("c", unreadable, held=True)
+
+
+def test_the_guard_s_walk_by_identity_sees_what_reading_each_value_sees():
+    """NOTE [the guard's walk]: values compared by identity per owner, an equal value set again (another object)
+    taken as unchanged and held from then on, and every change after it, a deletion and a changed container seen."""
+    m = nn.Linear(2, 2)
+    m.scale, m.sizes, m.name, m.scales = 1.5, (3, 3), "a", [1.0, 2.0]
+    guard = Guard(weakref.ref(m), tuple(snapshot(m)))
+    assert guard.changed() == []
+    m.scale, m.sizes = float("1.5"), tuple(x for x in (3, 3))  # equal, other objects
+    assert guard.changed() == [] and guard.changed() == []
+    m.scale = 2.0
+    assert [(where, now) for where, now, _ in guard.changed()] == [("scale", 2.0)]
+    m.scale = 1.5
+    assert guard.changed() == []
+    m.sizes = (3, 4)
+    assert [where for where, _, _ in guard.changed()] == ["sizes"]
+    m.sizes = (3, 3)
+    m.scales[1] = 3.0  # in place
+    assert [where for where, _, _ in guard.changed()] == ["scales"]
+    m.scales[1] = 2.0
+    del m.name
+    assert [where for where, _, _ in guard.changed()] == ["name"]
+    m.name = "a"
+    m.training = False
+    assert [where for where, _, _ in guard.changed()] == ["training"]
 
 class _HoldsAGain(nn.Module):
     def __init__(self):

@@ -360,6 +360,7 @@ class _ByIdentity:
     ``__dict__`` holds, read in one ``itemgetter`` call and compared by identity, and the other entries."""
 
     def __init__(self, entries: tuple[Entry, ...]):
+        self.entries = entries
         groups: dict[int, tuple[Any, list[str], list[Any], list[int]]] = {}
         self.rest: list[int] = []  # indices of the entries read one by one, as _changed reads them
         for i, (owner, name, value, _) in enumerate(entries):
@@ -375,10 +376,10 @@ class _ByIdentity:
         self.groups = [[owner, operator.itemgetter(*names), tuple(values) if len(values) > 1 else values[0], indices]
                        for owner, names, values, indices in groups.values()]
 
-    def suspects(self, entries: tuple[Entry, ...]) -> list[Entry]:
+    def suspects(self) -> list[Entry]:
         """The entries that may have changed, in their order: every owner's whose values are not all the very objects
         traced, and the rest."""
-        indices = list(self.rest)
+        entries, indices = self.entries, list(self.rest)
         for group in self.groups:
             owner, read, held, owned = group
             try:
@@ -392,7 +393,7 @@ class _ByIdentity:
             if several and all(map(operator.is_, now, held)):
                 continue
             pairs = zip(now, held) if several else ((now, held),)
-            if all(_is_plain_frozen(a) and type(a) is not _Frozen and _same(a, entries[i][2])
+            if all(_is_plain_frozen(a) and _same(a, entries[i][2])
                    for (a, _), i in zip(pairs, owned)):
                 group[2] = now  # equal immutable values, other objects (set again): the same from now on
                 continue
@@ -407,6 +408,7 @@ class Guard:
 
     model: Any  # weakref.ref to the model the values are of
     entries: tuple[Entry, ...]
+    # Built at the first walk: export's guard is replaced by with_tensors' before any walk.
     _walk: _ByIdentity | None = dataclass_field(default=None, repr=False, compare=False)
 
     def changed(self) -> list[tuple[str, Any, Any]]:
@@ -414,7 +416,7 @@ class Guard:
         if self._walk is None:
             self._walk = _ByIdentity(self.entries)
         model = self.model()
-        return _changed(self._walk.suspects(self.entries), _not_read.get(model, set()) if model is not None else set())
+        return _changed(self._walk.suspects(), _not_read.get(model, set()) if model is not None else set())
 
 
 class TracedValues:

@@ -27,6 +27,13 @@ def _eager_experts(frame: FrameType | None) -> bool:
         getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
 
 
+def _models(frame: FrameType, caller_file: str) -> bool:
+    """Whether a failing trace's frame runs the model's code: not torch's, not the caller's, not one of the
+    capture's function modes passing a call on (:func:`passing_on`)."""
+    return "site-packages/torch" not in frame.f_code.co_filename and frame.f_code.co_filename != caller_file and \
+        not passing_on(frame.f_code)
+
+
 _LIGHTNING = re.compile(r"[/\\](pytorch_)?lightning[/\\]")
 
 
@@ -34,10 +41,8 @@ def _lightning_log(frames: list[FrameType], caller_file: str) -> tuple[str, Fram
     """``(method, the frame that called it)`` where the failing trace ran Lightning's ``self.log``/``log_dict``."""
     for i, frame in enumerate(frames):
         if frame.f_code.co_name in ("log", "log_dict") and _LIGHTNING.search(frame.f_code.co_filename):
-            callers = [f for f in frames[:i] if "site-packages/torch" not in f.f_code.co_filename
-                       and not _LIGHTNING.search(f.f_code.co_filename) and f.f_code.co_filename != caller_file
-                       and not f.f_code.co_filename.startswith("<")
-                       and not passing_on(f.f_code)]
+            callers = [f for f in frames[:i] if _models(f, caller_file) and not _LIGHTNING.search(f.f_code.co_filename)
+                       and not f.f_code.co_filename.startswith("<")]
             if callers:
                 return frame.f_code.co_name, callers[-1]
     return None
@@ -111,8 +116,7 @@ def export_failure(exc: Exception, module: nn.Module, kwargs: dict, caller_file:
     while tb is not None:
         frames.append(tb.tb_frame)
         tb = tb.tb_next
-    user = [f for f in frames if "site-packages/torch" not in f.f_code.co_filename
-            and f.f_code.co_filename != caller_file and not passing_on(f.f_code)]
+    user = [f for f in frames if _models(f, caller_file)]
     where = line = ""
     if user:
         f = user[-1]

@@ -79,6 +79,10 @@ def test_a_plan_keeps_masks_and_recomputes_outputs_with_exact_gradients():
     # an output made again by its multiply alone, its mask kept from the forward: no draw repeated
     assert any(name in recomputed and not {masks[v] for v in inputs if v in masks} & recomputed
                for name, inputs in applies.items()), schedule
+    # the multiplies write into the converted mask: no scratch beside their output (the draws keep theirs)
+    scratch = dict(rm.plan.scratch_ops)
+    assert any(name.startswith("dropout_mask_default") for name in scratch), scratch
+    assert not [name for name in scratch if name.startswith(("apply_dropout_mask", "dropout_mask_backward"))], scratch
     for seed in range(3):
         for m in (rm, reference):
             m.zero_grad(set_to_none=True)

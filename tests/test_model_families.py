@@ -17,7 +17,10 @@ from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.blocks import make_blocks
+from remat_plugin.planning.budget_search import lowest_peak
 from remat_plugin.planning.choose_plan import make_plan
+from remat_plugin.planning.menus import Planner
+from remat_plugin.planning.solvers.kept_paths import single_drop_schedules
 from remat_plugin.runtime.steps import capture_problem
 
 SMALL = {  # activations outweigh parameter gradients here, as in training at scale
@@ -85,6 +88,30 @@ def test_exact_under_budget_and_below_per_layer_checkpointing(name):
 def _meta_problem(bench, extra_kwargs=None):
     args, kwargs = bench.make_batch(0)
     return capture_problem(bench.module, args, {**kwargs, **(extra_kwargs or {})})
+
+
+def test_floor_search_tries_options_the_menus_lack():
+    """NOTE [incoming gradients]: with every block's menu stripped of the keep-all-but-one options, the floor
+    search still finds mlp-chain's lowest peak, one activation (1 MiB) below the stripped menus' best, by trying
+    those options on the whole graph; the one it keeps is in the menus afterwards, and the peak is simulated."""
+    bench = build("mlp-chain", seed=0, dtype=torch.float64, device="meta")
+    problem, constants = _meta_problem(bench)
+    full = Planner(problem, constants)
+    full.prepare()
+    planner = Planner(problem, constants)
+    planner.prepare()
+    for block in planner.blocks:
+        drops = set(single_drop_schedules(block.problem))
+        planner.menus[block.index] = tuple(o for o in planner.menus[block.index] if o.schedule not in drops)
+        planner.chain[block.index] = planner._chain_block(block, planner.menus[block.index])
+    assert sum(map(len, planner.menus)) < sum(map(len, full.menus))
+    stripped_best = min(planner.try_budget(int(planner.min_dp_budget() * f))[1].peak_bytes
+                        for f in (1.0, 1.01, 1.03, 1.06))
+    schedule, sim, chain_plan = lowest_peak(planner)
+    assert sim.peak_bytes <= stripped_best - (1 << 20), (sim.peak_bytes, stripped_best)
+    assert sim == simulate(problem, schedule)
+    assert planner.evaluate(chain_plan)[1].peak_bytes == sim.peak_bytes
+    assert sim.peak_bytes <= lowest_peak(full)[1].peak_bytes
 
 
 def test_gpt2_attention_mask_plans_like_no_mask():

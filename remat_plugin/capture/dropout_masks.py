@@ -79,8 +79,9 @@ def _(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
 def _times_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """``x * mask * scale``, bit for bit, the mask converted to ``x``'s dtype before the multiply: a float tensor
     times a bool one converts element by element inside the multiply, 3.4x the time (10.2 against 3.0 ms for
-    8x4x256x256 float32, one thread)."""
-    return x.mul(mask.to(x.dtype)).mul_(scale)
+    8x4x256x256 float32, one thread).  The converted mask is the output, multiplied in place (a product of two
+    numbers is the same either way round), so the op holds no ``x``-sized scratch beside its output."""
+    return torch.empty_like(x).copy_(mask).mul_(x).mul_(scale)
 
 
 def _rewritable(node: fx.Node) -> bool:

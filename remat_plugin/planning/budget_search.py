@@ -13,6 +13,8 @@ from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import Simulation
 from remat_plugin.planning.menus import Planner
 from remat_plugin.planning.solvers.chain import ChainAction, ChainPlan
+from remat_plugin.planning.solvers.ilp import block_option
+from remat_plugin.planning.solvers.kept_paths import single_drop_schedules
 
 ScheduleCandidate = tuple[Schedule, Simulation, ChainPlan | None]  # a schedule, its simulation, its chain plan
 
@@ -88,10 +90,55 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0):
             planner.lowest = found
     if planner.lowest is None:
         return None
-    best = _descend(planner, planner.lowest, lambda sim: sim.peak_bytes,
-                    lambda b: planner.blocks_at_peak(b[2], b[1]), time_budget_s)
+    deadline = time.perf_counter() + time_budget_s
+    best = _descend(planner, planner.lowest, _peak, lambda b: planner.blocks_at_peak(b[2], b[1]), time_budget_s)
+    best = _widen_at_peak(planner, best, deadline)
     planner.lowest = best
     return best
+
+
+def _peak(sim: Simulation) -> int:
+    return sim.peak_bytes
+
+
+# NOTE [incoming gradients]
+#     A block's menu is judged alone, without the gradients its backward reads from later blocks: those
+#     are freed at their last read, and a schedule that reads them early (before its recomputation) holds
+#     them shorter, which only the whole graph shows.  Alone, such a schedule can look no lower and slower
+#     than one the menu keeps, so the Pareto set drops it: on mlp-chain (float64) a block keeping its
+#     output and recomputing its matmul after the output's uses lowers the floor by one activation, 5%,
+#     and whether the menu kept it hung on measured op times.  So the floor search also tries, for the
+#     blocks at the peak, options outside their menus, judged by the simulator on the whole graph, and
+#     adds to the menus those that lower the peak.
+def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],
+                   deadline: float) -> tuple[Schedule, Simulation, ChainPlan]:
+    """Options outside the menus (:func:`single_drop_schedules`) for the blocks at the peak, each kept where the
+    whole-graph peak falls, then another descent (NOTE [incoming gradients])."""
+    tried: set[tuple[int, Schedule]] = set()
+    while True:
+        found: tuple[Schedule, Simulation, ChainPlan] | None = None
+        for k in planner.blocks_at_peak(best[2], best[1]):
+            block = planner.blocks[k]
+            known = {o.schedule for o in planner.menus[k]}
+            for schedule in single_drop_schedules(block.problem):
+                if time.perf_counter() > deadline:
+                    return best
+                if schedule in known or (k, schedule) in tried:
+                    continue
+                tried.add((k, schedule))
+                index = planner.add_option(block, block_option(block.problem, schedule))
+                cp = _swap_option(best[2], k, index)
+                sched, sim = planner.evaluate(cp)
+                if sim.peak_bytes < best[1].peak_bytes:
+                    found = (sched, sim, cp)
+                    break
+                planner.drop_last_option(block)
+            if found is not None:
+                break
+        if found is None:
+            return best
+        best = _descend(planner, found, _peak, lambda b: planner.blocks_at_peak(b[2], b[1]),
+                        max(0.0, deadline - time.perf_counter()))
 
 
 def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> ScheduleCandidate | None:

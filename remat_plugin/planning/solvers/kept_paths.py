@@ -25,6 +25,8 @@ NOTE [kept paths]
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from remat_plugin.ir.problem import Op, Problem, Schedule
 from remat_plugin.planning.solvers.greedy import forward_values, must_keep, recompute_on_demand
 from remat_plugin.planning.solvers.ilp import BlockOption, block_option, pareto
@@ -93,3 +95,13 @@ def kept_path_menu(problem: Problem) -> tuple[BlockOption, ...]:
     options = [block_option(problem, Schedule.keep_all(problem))]
     options += [block_option(problem, recompute_on_demand(problem, k)) for k in dict.fromkeys(points)]
     return pareto(options)
+
+
+def single_drop_schedules(problem: Problem) -> Iterator[Schedule]:
+    """Recompute-on-demand keeping all the backward reads but one, for each droppable one, made one at a time:
+    schedules the menu's Pareto set may lack, for the floor search to try against the whole graph (NOTE
+    [incoming gradients])."""
+    forced = must_keep(problem)
+    kept = _Closure(problem).read_back | forced
+    for v in sorted(kept - forced):
+        yield recompute_on_demand(problem, kept - {v})

@@ -149,3 +149,14 @@ def test_overhead_breakdown_sets_our_step_beside_eagers():
     assert events["CompiledFunction"]["ours_calls"] == 1 and events["CompiledFunction"]["eager_calls"] == 0
     assert events["aten::mm"]["ours_calls"] == events["aten::mm"]["eager_calls"] > 0
     assert r["wall_ms"]["ours"] > 0 and r["wall_ms"]["eager"] > 0 and "mlp-chain at 1" in report(r)
+
+
+def test_overhead_breakdown_at_per_layer_checkpointings_peak():
+    """``--budget per-layer``: planned for per-layer checkpointing's measured peak, below the unmodified one, so
+    the plan recomputes (issue 15's low-budget point)."""
+    from remat_plugin.bench.overhead_breakdown import report, run
+
+    r = run("mlp-chain", "per-layer", steps=1, pairs=1, n_blocks=3)
+    assert 0 < r["budget_bytes"] < r["none_peak_bytes"], r
+    assert r["predicted_overhead"] > 1.0
+    assert "at per-layer checkpointing's peak" in report(r)

@@ -1,7 +1,7 @@
 """Where our step's time goes beyond eager's: the profiler's self time per op, eager against our plan.
 
-    python -m remat_plugin.bench overhead-breakdown [--model mlp-chain] [--budget 1.0] [--threads 1]
-        [--steps 5] [--json results/overhead_breakdown_cpu.json]
+    python -m remat_plugin.bench overhead-breakdown [--model mlp-chain] [--budget 1.0 | per-layer] [--threads 1]
+        [--steps 5] [--pairs 9] [--json results/overhead_breakdown_cpu.json]
 
 At ``--budget 1.0`` (a share of the unmodified step's measured peak) the plan recomputes nothing,
 so whatever our step costs above eager's is runtime overhead, not recomputation (benchmarks.md,
@@ -10,6 +10,8 @@ medians of interleaved steps (which goes first alternates), and one profiled run
 steps each gives the self CPU time of every profiler event (aten ops, our custom ops, autograd
 nodes), per step.  The events that differ most are listed.  Profiling slows each op down, so the
 events' times add up to more than the unprofiled wall time; compare them with each other.
+``--budget per-layer`` plans for per-layer checkpointing's measured peak: issue 15's low-budget point, whose
+step time is to be at most 1.15x eager's (median of at least 7 interleaved pairs).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import metered_bench_step, peer_step_of, settled_copy
+from remat_plugin.bench.run import budget_of, settled_copy
 
 SEED = 1234
 
@@ -35,12 +37,12 @@ def _self_times(step: Callable[[], None], steps: int) -> dict[str, tuple[float, 
     return {e.key: (e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in prof.key_averages()}
 
 
-def run(model: str, budget: float, steps: int = 5, pairs: int = 9, **model_kwargs) -> dict:
+def run(model: str, budget: str | float, steps: int = 5, pairs: int = 9, **model_kwargs) -> dict:
     bench = build(model, **model_kwargs)
     batch = bench.make_batch(0)
     device = next(bench.module.parameters()).device
-    none_peak, _, _ = metered_bench_step(bench, peer_step_of(bench, "none"), batch, device)
-    ours, rm = settled_copy(bench, int(budget * none_peak), batch)
+    budget_bytes, none_peak = budget_of(bench, budget, batch, device)
+    ours, rm = settled_copy(bench, budget_bytes, batch)
     assert rm.plan is not None
 
     def step_of(module: torch.nn.Module, forward: Callable) -> Callable[[], None]:
@@ -70,7 +72,8 @@ def run(model: str, budget: float, steps: int = 5, pairs: int = 9, **model_kwarg
     medians = {name: statistics.median(times) for name, times in wall.items()}
     totals = {"eager": sum(e_ms for e_ms, _ in eager_ops.values()), "ours": sum(o_ms for o_ms, _ in our_ops.values())}
     return {
-        "model": model, "budget": budget, "predicted_overhead": rm.plan.predicted_overhead,
+        "model": model, "budget": budget, "budget_bytes": budget_bytes, "none_peak_bytes": none_peak,
+        "predicted_overhead": rm.plan.predicted_overhead,
         "wall_ms": medians, "wall_ratio": medians["ours"] / medians["eager"], "events_ms": totals,
         "events": rows, "torch": torch.__version__, "threads": torch.get_num_threads(), "pairs": pairs,
         "steps_profiled": steps,
@@ -79,7 +82,7 @@ def run(model: str, budget: float, steps: int = 5, pairs: int = 9, **model_kwarg
 
 def report(r: dict, top: int = 16) -> str:
     lines = [
-        (f"{r['model']} at {r['budget']:g} of the unmodified peak (predicted {r['predicted_overhead']:.3f}x): wall "
+        (f"{r['model']} at {_budget_words(r['budget'])} (predicted {r['predicted_overhead']:.3f}x): wall "
          f"{r['wall_ms']['ours']:.2f} ms against eager's {r['wall_ms']['eager']:.2f} ms ({r['wall_ratio']:.3f}x, "
          f"median of {r['pairs']} interleaved pairs, {r['threads']} thread(s))"),
         (f"  profiler events' self time per step (profiled): ours {r['events_ms']['ours']:.2f} ms, eager "
@@ -92,18 +95,24 @@ def report(r: dict, top: int = 16) -> str:
     return "\n".join(lines)
 
 
+def _budget_words(budget: str | float) -> str:
+    return "per-layer checkpointing's peak" if budget == "per-layer" else f"{float(budget):g} of the unmodified peak"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m remat_plugin.bench overhead-breakdown",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp-chain")
-    parser.add_argument("--budget", type=float, default=1.0, help="share of the unmodified step's measured peak")
+    parser.add_argument("--budget", default="1.0",
+                        help="a share of the unmodified step's measured peak, or 'per-layer' (per-layer "
+                             "checkpointing's measured peak)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (bench compare's default)")
     parser.add_argument("--steps", type=int, default=5, help="steps of each profiled")
     parser.add_argument("--pairs", type=int, default=9, help="interleaved (eager, ours) steps timed")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)
-    result = run(opts.model, opts.budget, opts.steps, opts.pairs)
+    result = run(opts.model, opts.budget if opts.budget == "per-layer" else float(opts.budget), opts.steps, opts.pairs)
     print(report(result))
     if opts.json:
         with open(opts.json, "w") as fh:

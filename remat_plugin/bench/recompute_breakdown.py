@@ -23,7 +23,7 @@ import re
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import metered_bench_step, peer_step_of, settled_copy
+from remat_plugin.bench.run import budget_of, settled_copy
 from remat_plugin.capture.memory_meter import measure_peak_profiler
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.planning.menus import kept_reads
@@ -40,11 +40,7 @@ def run(model: str, budget: str) -> dict:
     bench = build(model)
     batch = bench.make_batch(0)
     device = next(bench.module.parameters()).device
-    none_peak, _, _ = metered_bench_step(bench, peer_step_of(bench, "none"), batch, device)
-    if budget == "per-layer":
-        budget_bytes, _, _ = metered_bench_step(bench, peer_step_of(bench, "per_layer"), batch, device)
-    else:
-        budget_bytes = int(float(budget) * none_peak)
+    budget_bytes, none_peak = budget_of(bench, budget, batch, device)
     ours, rm = settled_copy(bench, budget_bytes, batch)
     plan, problem = rm.plan, rm.problem
     assert plan is not None and problem is not None and plan.schedule is not None

@@ -324,6 +324,16 @@ def metered_bench_step(
     return peak, grads, float(loss.detach())
 
 
+def budget_of(bench: BenchModel, budget: str | float, batch: Batch, device: torch.device) -> tuple[int, int]:
+    """(budget bytes, the unmodified step's measured peak) for a breakdown's ``--budget``: ``"per-layer"``
+    (per-layer checkpointing's measured peak, the low-budget point of issue 15) or a share of the unmodified
+    peak."""
+    none_peak, _, _ = metered_bench_step(bench, peer_step_of(bench, "none"), batch, device)
+    if budget == "per-layer":
+        return metered_bench_step(bench, peer_step_of(bench, "per_layer"), batch, device)[0], none_peak
+    return int(float(budget) * none_peak), none_peak
+
+
 def _timed_steps(
     bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device, repeats: int = 1
 ) -> float:

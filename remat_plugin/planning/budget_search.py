@@ -91,7 +91,7 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0):
     if planner.lowest is None:
         return None
     deadline = time.perf_counter() + time_budget_s
-    best = _descend(planner, planner.lowest, _peak, lambda b: planner.blocks_at_peak(b[2], b[1]), time_budget_s)
+    best = _descend(planner, planner.lowest, _peak, _at_peak(planner), time_budget_s)
     best = _widen_at_peak(planner, best, deadline)
     planner.lowest = best
     return best
@@ -99,6 +99,11 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0):
 
 def _peak(sim: Simulation) -> int:
     return sim.peak_bytes
+
+
+def _at_peak(planner: Planner) -> Callable[[tuple[Schedule, Simulation, ChainPlan]], list[int]]:
+    """The blocks whose options count at a candidate's simulated peak (:meth:`Planner.blocks_at_peak`)."""
+    return lambda c: planner.blocks_at_peak(c[2], c[1])
 
 
 # NOTE [incoming gradients]
@@ -137,8 +142,7 @@ def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan
                 break
         if found is None:
             return best
-        best = _descend(planner, found, _peak, lambda b: planner.blocks_at_peak(b[2], b[1]),
-                        max(0.0, deadline - time.perf_counter()))
+        best = _descend(planner, found, _peak, _at_peak(planner), max(0.0, deadline - time.perf_counter()))
 
 
 def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> ScheduleCandidate | None:

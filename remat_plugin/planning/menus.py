@@ -227,21 +227,24 @@ class Planner:
 
     def add_option(self, block: Block, option: BlockOption) -> int:
         """Give ``block`` and every block identical to it one more menu option; its index in their menus."""
-        for b in self.blocks:
-            if b.key == block.key:
-                self.menus[b.index] = (*self.menus[b.index], _moved(option, block, b))
-                self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+        self._set_menus(block, lambda b, menu: (*menu, _moved(option, block, b)))
         return len(self.menus[block.index]) - 1
 
     def drop_last_option(self, block: Block) -> None:
         """Undo :meth:`add_option`: no plan made since may use that option."""
         index = len(self.menus[block.index]) - 1
+        self._set_menus(block, lambda b, menu: menu[:-1])
         for b in self.blocks:
             if b.key == block.key:
-                self.menus[b.index] = self.menus[b.index][:-1]
-                self.chain[b.index] = self._chain_block(b, self.menus[b.index])
                 for kind in ("fwd", "bwd"):
                     self._fragments.pop((kind, b.index, index), None)
+
+    def _set_menus(self, block: Block, change) -> None:
+        """``change(b, menu)`` as the menu of ``block`` and of every block identical to it, their chain blocks remade."""
+        for b in self.blocks:
+            if b.key == block.key:
+                self.menus[b.index] = change(b, self.menus[b.index])
+                self.chain[b.index] = self._chain_block(b, self.menus[b.index])
 
     def remember(self, candidate: tuple[Schedule, Simulation, ChainPlan], max_kept: int = 32) -> None:
         """Keep a plan made at some budget: a later, larger budget takes it if nothing faster is found."""

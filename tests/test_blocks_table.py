@@ -157,9 +157,10 @@ KEY_CASES = {
     "layers5": (layers(5), {}, [[0], [1, 2, 3], [4]]),
     # layer 2 twice as big: block 2 differs, and so does block 1 (it holds bwd_mm_2, of mm_2's size)
     "layers4_layer2_bigger": (layers(4), {"mm_2": 20, "relu_2": 20}, [[0], [1], [2], [3]]),
-    # the output relu_3 bigger (and so the tangent): only block 3 changes; block 2 holds bwd_mm_3, whose
-    # value has mm_3's size, so it still matches block 1
-    "layers4_last_bigger": (layers(4), {"relu_3": 40}, [[0], [1, 2], [3]]),
+    # the output relu_3 bigger (and so the tangent): block 3 changes, and so does block 2: it holds bwd_mm_3
+    # (mm_3's size, as block 1's bwd_mm_2) but reads bwd_relu_3, relu_3's size, from block 3 (NOTE [incoming
+    # gradients])
+    "layers4_last_bigger": (layers(4), {"relu_3": 40}, [[0], [1], [2], [3]]),
 }
 
 

@@ -7,7 +7,7 @@ import itertools
 import pulp
 import pytest
 
-from remat_plugin.ir.problem import Op, Problem, Schedule, Value
+from remat_plugin.ir.problem import Incoming, Op, Problem, Schedule, Value
 from remat_plugin.ir.simulate import simulate
 from remat_plugin.planning.solvers.greedy import UnrecomputableValueError, recompute_on_demand
 from remat_plugin.planning.solvers.ilp import BlockOption, block_menu, solve_schedule
@@ -85,6 +85,11 @@ def brute_force_frontier(problem: Problem) -> list[tuple[int, float]]:
     return frontier
 
 
+def with_incoming(p: Problem, readers: dict[str, tuple[str, ...]], size: int = 25) -> Problem:
+    """``p`` as a block whose backward reads gradients from later blocks (NOTE [incoming gradients])."""
+    return Problem(p.ops, p.values, p.live_out, p.base_bytes, tuple(Incoming(n, size, r) for n, r in readers.items()))
+
+
 PROBLEMS = {"chain": lambda: chain(7), "diamond": diamond, "unrecomputable": with_unrecomputable}
 
 
@@ -128,10 +133,13 @@ def test_kept_budget_is_respected() -> None:
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: chain(3), diamond, with_unrecomputable, lambda: chain(3, sizes=[30, 10, 20], times=[1.0, 5.0, 1.0])],
+    [lambda: chain(3), diamond, with_unrecomputable, lambda: chain(3, sizes=[30, 10, 20], times=[1.0, 5.0, 1.0]),
+     lambda: with_incoming(chain(3, sizes=[30, 10, 20], times=[1.0, 5.0, 1.0]), {"g3": ("b2",), "h": ("b2", "b1")}),
+     lambda: with_incoming(diamond(), {"gout": ("by",)}, size=20)],
 )
 def test_matches_brute_force(make) -> None:
-    """On tiny problems the ILP's recompute time equals exhaustive search at every budget."""
+    """On tiny problems the ILP's recompute time equals exhaustive search at every budget (with gradients from
+    later blocks alive until their last read, too)."""
     p = make()
     hi = simulate(p, Schedule.keep_all(p)).peak_bytes
     frontier = brute_force_frontier(p)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from remat_plugin.ir.problem import Op, Problem, Schedule, Value
+from remat_plugin.ir.problem import Incoming, Op, Problem, Schedule, Value
 from remat_plugin.ir.simulate import InvalidScheduleError, Simulation, simulate, value_lifetimes
 
 
@@ -51,13 +51,15 @@ def reference_simulate(problem: Problem, schedule: Schedule) -> Simulation:
     for deaths in death:
         for v, d in deaths.items():
             freed_after[d] += problem.value(v).size_bytes
+    last_read = {g.name: max(i for i, name in enumerate(sequence) if name in g.readers) for g in problem.incoming}
     alive = peak = problem.base_bytes
     timeline, time_ms, recompute_ms, kept = [], 0.0, 0.0, 0
     for i, name in enumerate(sequence):
         op = problem.op(name)
         alive += sum(problem.value(v).size_bytes for v in op.outputs)
-        timeline.append(alive + op.temp_bytes)
-        peak = max(peak, alive + op.temp_bytes)
+        incoming = sum(g.size_bytes for g in problem.incoming if len(fwd) <= i <= last_read[g.name])
+        timeline.append(alive + op.temp_bytes + incoming)
+        peak = max(peak, alive + op.temp_bytes + incoming)
         time_ms += op.time_ms
         if op.is_fwd and i >= len(fwd):
             recompute_ms += op.time_ms
@@ -84,7 +86,10 @@ def random_problem(rng: random.Random) -> Problem:
         ops.append(Op(f"b{i}", False, reads, (f"g{i}",), rng.uniform(0.1, 3), rng.randint(0, 40)))
         values.append(Value(f"g{i}", rng.randint(1, 100), f"b{i}"))
     live_out = frozenset(v.name for v in values if rng.random() < 0.15) | {"g0"}
-    return Problem(tuple(ops), tuple(values), live_out, rng.randint(0, 50))
+    bwd = [o.name for o in ops if not o.is_fwd]
+    incoming = tuple(Incoming(f"in{k}", rng.randint(1, 100), tuple(rng.sample(bwd, k=rng.randint(1, min(2, n)))))
+                     for k in range(rng.choice((0, 0, 1, 2))))  # a later block's gradients
+    return Problem(tuple(ops), tuple(values), live_out, rng.randint(0, 50), incoming)
 
 
 def random_schedule(problem: Problem, rng: random.Random) -> Schedule:

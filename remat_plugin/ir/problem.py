@@ -43,6 +43,16 @@ class Op:
 
 
 @dataclass(frozen=True)
+class Incoming:
+    """A value made outside the problem by the backward before it (a later block's gradient): alive when
+    the backward phase starts, freed right after the last of ``readers`` (backward ops) runs."""
+
+    name: str
+    size_bytes: int
+    readers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Problem:
     """A forward+backward graph: ``ops`` are all forward ops (execution order) then all backward ops."""
 
@@ -50,6 +60,7 @@ class Problem:
     values: tuple[Value, ...]
     live_out: frozenset[str] = field(default_factory=frozenset)  # stay alive to the end (outputs, param grads)
     base_bytes: int = 0  # bytes alive for the whole step outside ``values`` (tangents, ...)
+    incoming: tuple[Incoming, ...] = ()  # a block's gradients from later blocks (NOTE [incoming gradients])
 
     def op(self, name: str) -> Op:
         return self._ops_by_name()[name]

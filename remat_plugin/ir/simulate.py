@@ -3,7 +3,8 @@
 Memory is counted in bytes above what is alive when the step starts (parameters and
 inputs are outside the problem).  While an op runs, its inputs, its outputs and its
 ``temp_bytes`` are all alive; right after, every value copy whose last read it was is
-freed.  See NOTE [schedule model] in :mod:`remat_plugin.ir.problem`.
+freed.  A block's ``incoming`` values (gradients from later blocks) are alive from the
+backward's start to their last reader.  See NOTE [schedule model] in :mod:`remat_plugin.ir.problem`.
 """
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class _Index:
         self.fwd_names = tuple(o.name for o in problem.ops if o.is_fwd)
         self.rerunnable = np.array([o.recomputable or not o.is_fwd for o in problem.ops], dtype=bool)
         self.ops = problem.ops
+        self.incoming = [(g.size_bytes, np.array([self.op_id[r] for r in g.readers], dtype=np.int64))
+                         for g in problem.incoming]
 
     def gather(self, ids: np.ndarray, start: np.ndarray, count: np.ndarray, flat: np.ndarray):
         """(position, value) of every input (or output) of the ops at ``ids``, in sequence then op order."""
@@ -154,6 +157,20 @@ def _sequential_sum(x: np.ndarray) -> float:
     return float(np.cumsum(x)[-1]) if len(x) else 0.0
 
 
+def _incoming_bytes(idx: _Index, bwd_ids: np.ndarray, n_fwd: int) -> np.ndarray | int:
+    """Per position, the bytes of the problem's incoming values alive (from the backward's start to the
+    position of their last reader, each backward op running once)."""
+    if not idx.incoming:
+        return 0
+    position = np.zeros(len(idx.ops), dtype=np.int64)
+    position[bwd_ids] = np.arange(n_fwd, n_fwd + len(bwd_ids), dtype=np.int64)
+    change = np.zeros(n_fwd + len(bwd_ids) + 1, dtype=np.int64)
+    for size, readers in idx.incoming:
+        change[n_fwd] += size
+        change[int(position[readers].max()) + 1 if len(readers) else n_fwd] -= size
+    return np.cumsum(change[:-1])
+
+
 def simulate(problem: Problem, schedule: Schedule) -> Simulation:
     """Run ``schedule`` on paper: peak bytes, total time, and the memory timeline."""
     idx = _index(problem)
@@ -169,7 +186,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Simulation:
     # While op i runs: everything made up to and including it, less what died after earlier ops, plus its temp.
     made = np.cumsum(idx.out_bytes[ids])
     freed = np.concatenate([[0], np.cumsum(freed_after[: end - 1])]) if end else np.zeros(0, dtype=np.int64)
-    running = problem.base_bytes + made - freed + idx.temp[ids]
+    running = problem.base_bytes + made - freed + idx.temp[ids] + _incoming_bytes(idx, bwd_ids, n_fwd)
     timeline = running.tolist()
     peak = max(problem.base_bytes, int(running.max()) if end else problem.base_bytes)
     # Summed in sequence order, as the plans before this simulator were: a cumulative sum adds one term at a time.

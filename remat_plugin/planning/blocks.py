@@ -43,7 +43,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from remat_plugin.ir.problem import Op, Problem, Schedule
+from remat_plugin.ir.problem import Incoming, Op, Problem, Schedule
 from remat_plugin.ir.simulate import simulate
 
 SIDE_MIN_SPAN = 16  # forward ops a side value must stay alive across
@@ -221,8 +221,10 @@ def _side_charges(problem: Problem, block_of: dict[str, int], chain_values: set[
 
     A forward value (or a constant, made just before its first reader) read by another block is
     alive from the block that makes it to the end of the chain and back down to its lowest reader.  A backward value that skips over
-    blocks (the gradient of a side value) is alive in the blocks between its maker and its reader.
-    Chain values, their gradients (read by the adjacent block) and ``live_out`` are the DP's own.
+    blocks (the gradient of a side value) is alive in the blocks between its maker and its reader.  A
+    forward output the caller gets (``live_out``) is alive from its forward to the end of the step: it is
+    charged to every other block (during the forward of the blocks before its maker too, which is safe).
+    Chain values, their gradients (read by the adjacent block) and parameter gradients are the DP's own.
     """
     charges = [0] * n_blocks
     readers: dict[str, set[int]] = {}
@@ -232,6 +234,11 @@ def _side_charges(problem: Problem, block_of: dict[str, int], chain_values: set[
                 readers.setdefault(v, set()).add(block_of[o.name])
     for value in problem.values:
         v = value.name
+        if v in problem.live_out and v not in chain_values and problem.op(value.producer).is_fwd:
+            for k in range(n_blocks):  # a forward output the caller gets: alive from its forward to the end
+                if k != block_of.get(value.producer):
+                    charges[k] += value.size_bytes
+            continue
         if v in chain_values or v in problem.live_out or v not in readers:
             continue
         op = problem.op(value.producer)
@@ -298,8 +305,20 @@ def _group_backward(problem: Problem, value_block: dict[str, int], n_blocks: int
     return group
 
 
+# NOTE [incoming gradients]
+#     A block's backward reads gradients that later blocks' backwards made: δ_{i+1}, the gradient of its
+#     output; the gradient that the next layer's weight-gradient op reads (the op is grouped here, as it
+#     also reads this block's output); the gradients of side values this block made.  Each dies at its
+#     last read here, so a schedule that recomputes after those reads holds less: on mlp-chain (float64)
+#     that lowers the floor by one activation (1 MiB, 5%).  Left out of the block problem, such a schedule
+#     looked no lower and was slower, the Pareto menu dropped it, and whether it survived hung on measured
+#     op times.  So the block problem carries them (``Problem.incoming``): the simulator and the block ILP
+#     count each from the backward's start to its last reader, and the chain DP, which counts δ_{i+1}
+#     alive through the whole backward action, takes its size off the option's backward peak
+#     (``Planner._chain_block``).
 def _subproblem(problem: Problem, names: set[str], exclude_live: set) -> Problem:
-    """The ops ``names`` alone; ``exclude_live`` (the chain output x) is the chain's to keep or free."""
+    """The ops ``names`` alone; ``exclude_live`` (the chain output x) is the chain's to keep or free; the
+    gradients its backward reads from later blocks are its ``incoming`` (NOTE [incoming gradients])."""
     ops = [o for o in problem.ops if o.name in names]
     inside = {v for o in ops for v in o.outputs}
     read_outside = {v for o in problem.ops if o.name not in names for v in o.inputs}
@@ -311,7 +330,14 @@ def _subproblem(problem: Problem, names: set[str], exclude_live: set) -> Problem
     live_out = frozenset(
         v for v in inside if v in problem.live_out or (v in read_outside and v not in exclude_live)
     )
-    return Problem(new_ops, values, live_out)
+    readers: dict[str, list[str]] = {}
+    for o in ops:
+        for v in o.inputs:
+            if not o.is_fwd and v not in inside and not problem.op(problem.value(v).producer).is_fwd:
+                readers.setdefault(v, []).append(o.name)
+    incoming = tuple(Incoming(v, problem.value(v).size_bytes, tuple(r)) for v, r in readers.items()
+                     if problem.value(v).size_bytes)  # (an empty one would only tell blocks apart)
+    return Problem(new_ops, values, live_out, incoming=incoming)
 
 
 def structure_key(problem: Problem) -> tuple:
@@ -321,6 +347,7 @@ def structure_key(problem: Problem) -> tuple:
     for i, o in enumerate(problem.ops):
         for j, v in enumerate(o.outputs):
             index[v] = (i, j)
+    position = {o.name: i for i, o in enumerate(problem.ops)}
     return tuple(
         (
             re.sub(r"_\d+", "", o.name),  # fx names ops after their target: "addmm_3" is an addmm
@@ -330,7 +357,7 @@ def structure_key(problem: Problem) -> tuple:
             tuple(v in problem.live_out for v in o.outputs),
         )
         for o in problem.ops
-    )
+    ) + tuple(("incoming", tuple(position[r] for r in g.readers)) for g in problem.incoming)
 
 
 def _canonical_key(problem: Problem) -> tuple:
@@ -338,7 +365,7 @@ def _canonical_key(problem: Problem) -> tuple:
     costs = tuple(
         (round(o.time_ms, 6), o.temp_bytes, tuple(problem.value(v).size_bytes for v in o.outputs))
         for o in problem.ops
-    )
+    ) + tuple(g.size_bytes for g in problem.incoming)
     return structure_key(problem), costs
 
 

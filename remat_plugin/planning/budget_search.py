@@ -106,19 +106,18 @@ def _at_peak(planner: Planner) -> Callable[[tuple[Schedule, Simulation, ChainPla
     return lambda c: planner.blocks_at_peak(c[2], c[1])
 
 
-# NOTE [incoming gradients]
-#     A block's menu is judged alone, without the gradients its backward reads from later blocks: those
-#     are freed at their last read, and a schedule that reads them early (before its recomputation) holds
-#     them shorter, which only the whole graph shows.  Alone, such a schedule can look no lower and slower
-#     than one the menu keeps, so the Pareto set drops it: on mlp-chain (float64) a block keeping its
-#     output and recomputing its matmul after the output's uses lowers the floor by one activation, 5%,
-#     and whether the menu kept it hung on measured op times.  So the floor search also tries, for the
-#     blocks at the peak, options outside their menus, judged by the simulator on the whole graph, and
-#     adds to the menus those that lower the peak.
+# NOTE [options the menus lack]
+#     A block's menu is its Pareto set judged alone: the blocks around it enter only through the chain
+#     DP's bookkeeping (x, δ, kept sets, side charges), so an option that no lower alone can still lower
+#     the whole graph's peak (on bert-tiny the floor search finds 2.7% lower with it).  So the floor
+#     search also tries, for the blocks at the peak, "keep all the backward reads but one" options
+#     outside their menus, judged by the simulator on the whole graph, and adds to the menus those that
+#     lower the peak.  (The case that showed it first, mlp-chain's floor hanging on measured op times,
+#     was the menus not counting the gradients later blocks hand a block: NOTE [incoming gradients].)
 def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],
                    deadline: float) -> tuple[Schedule, Simulation, ChainPlan]:
     """Options outside the menus (:func:`single_drop_schedules`) for the blocks at the peak, each kept where the
-    whole-graph peak falls, then another descent (NOTE [incoming gradients])."""
+    whole-graph peak falls, then another descent (NOTE [options the menus lack])."""
     tried: set[tuple[int, Schedule]] = set()
     while True:
         found: tuple[Schedule, Simulation, ChainPlan] | None = None

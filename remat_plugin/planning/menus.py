@@ -147,8 +147,11 @@ class Planner:
             param_grad_bytes=param_grads,
             none_fwd_ms=fwd_ms,
             none_fwd_peak_bytes=forward_only_peak(b.problem, b.output_value),
+            # The DP counts δ_{i+1} (the size of x_{i+1}) alive through the whole backward action; the
+            # block's timeline counts it until its last read (NOTE [incoming gradients]).
             options=tuple(
-                ChainOption(o.kept_bytes, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - o.kept_bytes), o.fwd_ms, o.bwd_ms)
+                ChainOption(o.kept_bytes, o.fwd_peak_bytes,
+                            max(0, o.bwd_peak_bytes - o.kept_bytes - size(b.output_value)), o.fwd_ms, o.bwd_ms)
                 for o in menu
             ),
             side_bytes=b.side_bytes,

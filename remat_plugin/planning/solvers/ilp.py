@@ -26,8 +26,9 @@ forward value outside ``live_out``), ``p(v)`` its producer, ``s_v`` its size, ``
       kept        K = Σ_v s_v S[0,v]
       peak_budget M ≤ peak budget;   kept_budget K ≤ kept budget
 
-``other_bytes`` (base, forward ``live_out`` values, gradients alive around ``b_t``) and
-``fwd_bytes`` (values alive in the forward anyway) are constants: backward ops never rerun.
+``other_bytes`` (base, forward ``live_out`` values, gradients alive around ``b_t``, incoming gradients up to
+their last reader) and ``fwd_bytes`` (values alive in the forward anyway) are constants: backward ops never
+rerun.
 
 NOTE [ILP memory is an upper bound]
     Every copy the simulator holds at a stage boundary is read later with no recompute
@@ -233,6 +234,11 @@ class BlockIlp:
                     during[t] += pb.value(w).size_bytes
                     if t > s:
                         between[t] += pb.value(w).size_bytes
+        position = {op.name: t for t, op in enumerate(self.bwd)}
+        for g in pb.incoming:  # alive from the first stage to its last reader's
+            for t in range(max((position[r] for r in g.readers), default=-1) + 1):
+                between[t] += g.size_bytes
+                during[t] += g.size_bytes
         return between, during
 
     def _add_mem_bwd(self) -> None:

@@ -100,7 +100,7 @@ def kept_path_menu(problem: Problem) -> tuple[BlockOption, ...]:
 def single_drop_schedules(problem: Problem) -> Iterator[Schedule]:
     """Recompute-on-demand keeping all the backward reads but one, for each droppable one, made one at a time:
     schedules the menu's Pareto set may lack, for the floor search to try against the whole graph (NOTE
-    [incoming gradients])."""
+    [options the menus lack])."""
     forced = must_keep(problem)
     kept = _Closure(problem).read_back | forced
     for v in sorted(kept - forced):

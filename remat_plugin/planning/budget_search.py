@@ -108,12 +108,13 @@ def _at_peak(planner: Planner) -> Callable[[tuple[Schedule, Simulation, ChainPla
 
 # NOTE [options the menus lack]
 #     A block's menu is its Pareto set judged alone: the blocks around it enter only through the chain
-#     DP's bookkeeping (x, δ, kept sets, side charges), so an option that no lower alone can still lower
-#     the whole graph's peak (on bert-tiny the floor search finds 2.7% lower with it).  So the floor
-#     search also tries, for the blocks at the peak, "keep all the backward reads but one" options
-#     outside their menus, judged by the simulator on the whole graph, and adds to the menus those that
-#     lower the peak.  (The case that showed it first, mlp-chain's floor hanging on measured op times,
-#     was the menus not counting the gradients later blocks hand a block: NOTE [incoming gradients].)
+#     DP's bookkeeping (x, δ, kept sets, side charges), so an option that is no lower alone can still
+#     lower the whole graph's peak (on bert-tiny, meta costs, the floor search ends 4.5% lower with
+#     them).  So the floor search also tries, for the blocks at the peak, "keep all the backward reads
+#     but one" options outside their menus, judged by the simulator on the whole graph, and adds to the
+#     menus those that lower the peak.  (The case that showed it first, mlp-chain's floor hanging on
+#     measured op times, was the menus not counting the gradients later blocks hand a block: NOTE
+#     [incoming gradients].)
 def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],
                    deadline: float) -> tuple[Schedule, Simulation, ChainPlan]:
     """Options outside the menus (:func:`single_drop_schedules`) for the blocks at the peak, each kept where the

@@ -237,17 +237,19 @@ class Planner:
         """Undo :meth:`add_option`: no plan made since may use that option."""
         index = len(self.menus[block.index]) - 1
         self._set_menus(block, lambda b, menu: menu[:-1])
-        for b in self.blocks:
-            if b.key == block.key:
-                for kind in ("fwd", "bwd"):
-                    self._fragments.pop((kind, b.index, index), None)
+        for b in self._identical(block):
+            for kind in ("fwd", "bwd"):
+                self._fragments.pop((kind, b.index, index), None)
 
     def _set_menus(self, block: Block, change) -> None:
         """``change(b, menu)`` as the menu of ``block`` and of every block identical to it, their chain blocks remade."""
-        for b in self.blocks:
-            if b.key == block.key:
-                self.menus[b.index] = change(b, self.menus[b.index])
-                self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+        for b in self._identical(block):
+            self.menus[b.index] = change(b, self.menus[b.index])
+            self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+
+    def _identical(self, block: Block) -> list[Block]:
+        """``block`` and the blocks identical to it (one menu serves them all)."""
+        return [b for b in self.blocks if b.key == block.key]
 
     def remember(self, candidate: tuple[Schedule, Simulation, ChainPlan], max_kept: int = 32) -> None:
         """Keep a plan made at some budget: a later, larger budget takes it if nothing faster is found."""

@@ -147,14 +147,20 @@ class Planner:
             param_grad_bytes=param_grads,
             none_fwd_ms=fwd_ms,
             none_fwd_peak_bytes=forward_only_peak(b.problem, b.output_value),
-            # The DP counts δ_{i+1} (the size of x_{i+1}) alive through the whole backward action; the
-            # block's timeline counts it until its last read (NOTE [incoming gradients]).
-            options=tuple(
-                ChainOption(o.kept_bytes, o.fwd_peak_bytes,
-                            max(0, o.bwd_peak_bytes - o.kept_bytes - size(b.output_value)), o.fwd_ms, o.bwd_ms)
-                for o in menu
-            ),
+            options=self._chain_options(b, menu),
             side_bytes=b.side_bytes,
+        )
+
+    def _chain_options(self, b: Block, menu: tuple[BlockOption, ...]) -> tuple[ChainOption, ...]:
+        """A menu as the chain DP sees it; the rest of a chain block does not depend on the menu, so a changed menu
+        remakes only this (the floor search changes menus hundreds of times on a deep model)."""
+        output_bytes = self.problem.value(b.output_value).size_bytes if b.output_value else 0
+        # The DP counts δ_{i+1} (the size of x_{i+1}) alive through the whole backward action; the
+        # block's timeline counts it until its last read (NOTE [incoming gradients]).
+        return tuple(
+            ChainOption(o.kept_bytes, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - o.kept_bytes - output_bytes),
+                        o.fwd_ms, o.bwd_ms)
+            for o in menu
         )
 
     def assemble(self, chain_plan: ChainPlan) -> Schedule:
@@ -245,7 +251,7 @@ class Planner:
         """``change(b, menu)`` as the menu of ``block`` and of every block identical to it, their chain blocks remade."""
         for b in self._identical(block):
             self.menus[b.index] = change(b, self.menus[b.index])
-            self.chain[b.index] = self._chain_block(b, self.menus[b.index])
+            self.chain[b.index] = replace(self.chain[b.index], options=self._chain_options(b, self.menus[b.index]))
 
     def _identical(self, block: Block) -> list[Block]:
         """``block`` and the blocks identical to it (one menu serves them all)."""

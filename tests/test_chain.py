@@ -5,6 +5,7 @@ import itertools
 import logging
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -21,8 +22,10 @@ from remat_plugin.planning.solvers.chain import (
 logger = logging.getLogger(__name__)
 
 
-def random_chain(n_blocks: int, n_options: int, rng: random.Random, unit_bytes: int = 1000) -> list[ChainBlock]:
-    """A heterogeneous chain whose options trade kept memory for backward time."""
+def random_chain(n_blocks: int, n_options: int, rng: random.Random, unit_bytes: int = 1000,
+                 held: bool = False) -> list[ChainBlock]:
+    """A heterogeneous chain whose options trade kept memory for backward time.  ``held``: some blocks' inputs are
+    values the caller gets (``held_bytes``), alive from the block's backward to the end of the step."""
     blocks = []
     x_in = rng.randint(1, 10) * unit_bytes
     for i in range(n_blocks):
@@ -41,7 +44,7 @@ def random_chain(n_blocks: int, n_options: int, rng: random.Random, unit_bytes: 
             input_bytes=x_in, output_bytes=x_out, grad_input_bytes=0 if i == 0 else rng.randint(1, 12) * unit_bytes,
             param_grad_bytes=rng.randint(0, 3) * unit_bytes,
             none_fwd_ms=0.5 + rng.random(), none_fwd_peak_bytes=x_out + rng.randint(0, 5) * unit_bytes,
-            options=tuple(options)))
+            options=tuple(options), held_bytes=x_in if held and i > 0 and rng.random() < 0.5 else 0))
         x_in = x_out
     return blocks
 
@@ -59,12 +62,14 @@ def all_schedules(blocks: list[ChainBlock], s: int, t: int) -> list[tuple[ChainA
     return out
 
 
+@pytest.mark.parametrize("held", [False, True])
 @pytest.mark.parametrize("n_blocks", [1, 2, 3, 4])
-def test_dp_matches_brute_force(n_blocks: int) -> None:
-    """With one-byte slots the DP time equals the best replay-feasible schedule of the same form."""
+def test_dp_matches_brute_force(n_blocks: int, held: bool) -> None:
+    """With one-byte slots the DP time equals the best replay-feasible schedule of the same form; ``held``: with
+    chain values the caller gets, which stay alive after their block's backward."""
     rng = random.Random(n_blocks)
     for trial in range(6):
-        blocks = random_chain(n_blocks, 2, rng, unit_bytes=1)
+        blocks = random_chain(n_blocks, 2, rng, unit_bytes=1, held=held)
         costs = [replay(blocks, sched) for sched in all_schedules(blocks, 0, n_blocks - 1)]
         for budget in sorted({peak for peak, _ in costs})[::2] + [min(p for p, _ in costs) - 1]:
             best = min((ms for peak, ms in costs if peak <= budget), default=None)
@@ -77,11 +82,12 @@ def test_dp_matches_brute_force(n_blocks: int) -> None:
                 assert plan.peak_bytes <= budget
 
 
-def test_replayed_peak_within_budget() -> None:
+@pytest.mark.parametrize("held", [False, True])
+def test_replayed_peak_within_budget(held: bool) -> None:
     """Whatever the budget, the plan's replayed peak fits it (rounding is conservative)."""
     rng = random.Random(7)
     for _ in range(8):
-        blocks = random_chain(rng.randint(3, 12), rng.randint(1, 5), rng)
+        blocks = random_chain(rng.randint(3, 12), rng.randint(1, 5), rng, held=held)
         full = solve_chain(blocks, 10**12)
         for frac in [0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0]:
             budget = int(full.peak_bytes * frac)
@@ -119,6 +125,20 @@ def test_min_feasible_budget_is_tight() -> None:
             assert solve_chain(blocks, low // 2, n_slots=n_slots) is None
             plan = solve_chain(blocks, low, n_slots=n_slots)
             assert plan is not None and plan.peak_bytes <= low
+
+
+def test_held_values_stay_alive_to_the_end() -> None:
+    """NOTE [chain memory model]: a chain value the caller gets (``held_bytes`` of the block it feeds) is not freed
+    by that block's backward: the earlier blocks' backwards run beside it."""
+    option = ChainOption(kept_bytes=0, fwd_peak_bytes=0, bwd_peak_bytes=0, fwd_ms=1.0, bwd_ms=1.0)
+    first = ChainBlock(0, 100, 0, 0, 1.0, 100, (replace(option, bwd_peak_bytes=50),))
+    actions = [ChainAction("fwd", 0, 0), ChainAction("fwd", 1, 0), ChainAction("bwd", 1, 0), ChainAction("bwd", 0, 0)]
+    # bwd(1): x_1 (100), the loss x_2 (10) and δ_1 (40), 150; bwd(0): δ_1 and its own 50, 90, and x_1 when held, 190
+    for held, peak in ((0, 150), (100, 190)):
+        second = ChainBlock(100, 10, 40, 0, 1.0, 10, (option,), held_bytes=held)
+        assert replay([first, second], actions) == (peak, 4.0)
+        assert solve_chain([first, second], peak, n_slots=peak) is not None
+        assert solve_chain([first, second], peak - 1, n_slots=peak - 1) is None
 
 
 def test_huge_budget_runs_fastest_options_once() -> None:

@@ -149,7 +149,16 @@ class Planner:
             none_fwd_peak_bytes=forward_only_peak(b.problem, b.output_value),
             options=self._chain_options(b, menu),
             side_bytes=b.side_bytes,
+            held_bytes=self._held_bytes(b),
         )
+
+    def _held_bytes(self, b: Block) -> int:
+        """The chain values the caller gets that the DP frees at ``b``'s backward: its input, and the last block's
+        output (NOTE [chain memory model]).  A model returning its logits beside the loss holds them to the end."""
+        last = b.index == len(self.blocks) - 1
+        held = [v for v in (b.input_value, b.output_value if last else None)
+                if v and v in self.problem.live_out and self.problem.op(self.problem.value(v).producer).is_fwd]
+        return sum(self.problem.value(v).size_bytes for v in held)
 
     def _chain_options(self, b: Block, menu: tuple[BlockOption, ...]) -> tuple[ChainOption, ...]:
         """A menu as the chain DP sees it; the rest of a chain block does not depend on the menu, so a changed menu

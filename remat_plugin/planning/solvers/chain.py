@@ -14,7 +14,9 @@ NOTE [chain memory model]
     unless its next event is a read (its last read before being remade or never),
     ``fwd`` adds its kept set, ``bwd(i)`` frees its kept set and ``δ_{i+1}`` and adds
     ``δ_i`` and block ``i``'s parameter gradients.  The loss ``x_n`` doubles as ``δ_n``:
-    it is freed by ``bwd(n-1)``.
+    it is freed by ``bwd(n-1)``.  A chain value the caller gets (a model's logits, a hidden
+    state it returns) is not freed: ``bwd(i)`` adds it back as block ``i``'s ``held_bytes``,
+    which the recurrence counts with the parameter gradients (``pg``) from then on.
 
 NOTE [rk-Rotor recurrence]
     ``C(s, t, m)``: least time to run blocks ``s..t`` forward and backward with ``m``
@@ -81,6 +83,9 @@ class ChainBlock:
     none_fwd_peak_bytes: int  # peak above what was alive, forward keeping nothing (includes x_{i+1})
     options: tuple[ChainOption, ...]
     side_bytes: int = 0  # made outside the chain's bookkeeping (side values, constants), alive during its actions
+    # Chain values the caller gets (``x_i``, or the last block's ``x_n``) that the bookkeeping would free at this
+    # block's backward: alive from then to the end of the step, as parameter gradients are (NOTE [chain memory model])
+    held_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ def replay(blocks: Sequence[ChainBlock], actions: Sequence[ChainAction]) -> tupl
             made = blk.grad_input_bytes + blk.param_grad_bytes
             peak_bytes = max(peak_bytes, alive_bytes + blk.side_bytes + max(opt.bwd_peak_bytes, made))
             time_ms += opt.bwd_ms
-            alive_bytes += made - opt.kept_bytes
+            alive_bytes += made + blk.held_bytes - opt.kept_bytes
             del kept_option[i]
             delta_alive[i] = True
             if i < n - 1:
@@ -195,7 +200,7 @@ class _SlotChain:
 
     x: np.ndarray  # [n+1], x[0] = 0
     delta: np.ndarray  # [n+1], delta[n] = 0 (the loss x_n plays δ_n)
-    pg_prefix: np.ndarray  # [n+1], sum of rounded param grads of blocks < j
+    pg_prefix: np.ndarray  # [n+1], sum of rounded param grads and held values of blocks < j
     none_eff: np.ndarray  # [n], transient of fwd_none
     none_ms: np.ndarray  # [n], fwd_none time per block
     kept: list[np.ndarray]  # per block, per option
@@ -216,7 +221,8 @@ def _slot_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -
 
     x = np.array([0] + [up(b.output_bytes) for b in blocks], dtype=np.int64)
     delta = np.array([up(b.grad_input_bytes) for b in blocks] + [0], dtype=np.int64)
-    pg = [up(b.param_grad_bytes) for b in blocks]
+    param_grads = [up(b.param_grad_bytes) for b in blocks]
+    pg = [g + up(b.held_bytes) for g, b in zip(param_grads, blocks)]  # alive from each backward to the end
     side = [up(b.side_bytes) for b in blocks]
     kept, fwd_eff, bwd_eff, fb_ms = [], [], [], []
     for i, b in enumerate(blocks):
@@ -225,7 +231,7 @@ def _slot_chain(blocks: Sequence[ChainBlock], budget_bytes: int, n_slots: int) -
         fwd_eff.append(side[i] + np.maximum(np.array([up(o.fwd_peak_bytes) for o in b.options], dtype=np.int64),
                                             x[i + 1] + k))
         bwd_eff.append(side[i] + np.maximum(np.array([up(o.bwd_peak_bytes) for o in b.options], dtype=np.int64),
-                                            delta[i] + pg[i]))
+                                            delta[i] + param_grads[i]))
         fb_ms.append(np.array([o.fwd_ms + o.bwd_ms for o in b.options], dtype=np.float64))
     none_eff = np.array([side[i] + max(up(b.none_fwd_peak_bytes), int(x[i + 1])) for i, b in enumerate(blocks)],
                         dtype=np.int64)

@@ -164,13 +164,16 @@ class Planner:
         """A menu as the chain DP sees it; the rest of a chain block does not depend on the menu, so a changed menu
         remakes only this (the floor search changes menus hundreds of times on a deep model)."""
         output_bytes = self.problem.value(b.output_value).size_bytes if b.output_value else 0
-        # The DP counts δ_{i+1} (the size of x_{i+1}) alive through the whole backward action; the
-        # block's timeline counts it until its last read (NOTE [incoming gradients]).
-        return tuple(
-            ChainOption(o.kept_bytes, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - o.kept_bytes - output_bytes),
-                        o.fwd_ms, o.bwd_ms)
-            for o in menu
-        )
+        not_last = b.index < len(self.blocks) - 1
+        options = []
+        for o in menu:
+            # NOTE [outputs in kept sets]
+            kept = o.kept_bytes - (output_bytes if not_last and _keeps(b.problem, o.schedule, b.output_value) else 0)
+            # The DP counts δ_{i+1} (the size of x_{i+1}) alive through the whole backward action; the
+            # block's timeline counts it until its last read (NOTE [incoming gradients]).
+            options.append(ChainOption(kept, o.fwd_peak_bytes, max(0, o.bwd_peak_bytes - kept - output_bytes),
+                                       o.fwd_ms, o.bwd_ms))
+        return tuple(options)
 
     def assemble(self, chain_plan: ChainPlan) -> Schedule:
         """The whole-graph backward sequence realising a chain plan (the first forward pass is implicit)."""
@@ -298,6 +301,28 @@ def transferred_menu(source: Block, menu: tuple[BlockOption, ...], target: Block
         return tuple(_moved(o, source, target) for o in menu)
     moved = [block_option(target.problem, rename_schedule(o.schedule, source.problem, target.problem)) for o in menu]
     return pareto([*moved, *kept_path_menu(target.problem)])  # kept paths are cheap: walked again at these sizes
+
+
+# NOTE [outputs in kept sets]
+#     A block whose backward reads its own output x_{i+1} (the sum a residual add makes, read by the
+#     LayerNorm after it) keeps it: the option's kept bytes count it.  The chain DP counts x_{i+1} too,
+#     from fwd(i) until bwd(i+1), its last read as the DP sees it, so for that span it counted the
+#     value twice (on bert-tiny at 0.3 of the peak, up to 19 MB over the simulator in one backward).
+#     So the option the DP gets keeps the rest only; bwd(i) always comes right after bwd(i+1) (or
+#     after the fwd(i) that remade x_{i+1}), so only its backward transient must count x_{i+1} again,
+#     which the same subtraction gives.  The last block's output doubles as the loss in the DP and is
+#     left as it is.
+def _keeps(problem: Problem, schedule: Schedule, value: str | None) -> bool:
+    """Whether ``schedule``'s backward reads ``value`` before remaking it: it is kept from the forward."""
+    if value is None:
+        return False
+    for name in schedule.bwd_sequence:
+        op = problem.op(name)
+        if value in op.inputs:
+            return True
+        if value in op.outputs:
+            return False
+    return False
 
 
 def kept_reads(problem: Problem, schedule: Schedule) -> set[str]:

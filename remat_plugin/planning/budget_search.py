@@ -53,8 +53,9 @@ def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simu
     if found is None:
         return None
     fits_at, best = found
-    for _ in range(3 if too_big is not None else 0):  # between the fit and the DP budget above it that did not fit
-        assert too_big is not None
+    if too_big is None:  # the first DP budget tried fitted: nothing above it to bisect towards
+        return best
+    for _ in range(3):  # between the fit and the DP budget above it that did not fit
         middle = (fits_at + too_big) // 2
         candidate = planner.try_budget(middle)
         if candidate is not None and candidate[1].peak_bytes <= budget_bytes:

@@ -80,8 +80,10 @@ def _times_mask(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tens
     """``x * mask * scale``, bit for bit, the mask converted to ``x``'s dtype before the multiply: a float tensor
     times a bool one converts element by element inside the multiply, 3.4x the time (10.2 against 3.0 ms for
     8x4x256x256 float32, one thread).  The converted mask is the output, multiplied in place (a product of two
-    numbers is the same either way round), so the op holds no ``x``-sized scratch beside its output."""
-    return torch.empty_like(x).copy_(mask).mul_(x).mul_(scale)
+    numbers is the same either way round), so the op holds no ``x``-sized scratch beside its output.  The mask is
+    read as bytes (a bool is stored as 0 or 1): CPU copies bytes to floats in vector lanes, bools one by one
+    (0.71 against 2.19 ms for that input; the whole op 1.35 against 3.52 ms, 2026-11-30)."""
+    return torch.empty_like(x).copy_(mask.view(torch.uint8) if mask.dtype == torch.bool else mask).mul_(x).mul_(scale)
 
 
 def _rewritable(node: fx.Node) -> bool:

@@ -153,10 +153,12 @@ def test_overhead_breakdown_sets_our_step_beside_eagers():
 
 def test_overhead_breakdown_at_per_layer_checkpointings_peak():
     """``--budget per-layer``: planned for per-layer checkpointing's measured peak, below the unmodified one, so
-    the plan recomputes (issue 15's low-budget point)."""
+    the plan recomputes (issue 15's low-budget point), and timed beside that peer."""
     from remat_plugin.bench.overhead_breakdown import report, run
 
     r = run("mlp-chain", "per-layer", steps=1, pairs=1, n_blocks=3)
     assert 0 < r["budget_bytes"] < r["none_peak_bytes"], r
     assert r["predicted_overhead"] > 1.0
-    assert "at per-layer checkpointing's peak" in report(r)
+    # the peer runs in the same rotation, and the report sets ours beside it
+    assert r["wall_ms"]["per_layer"] > 0 and r["peer_ratio"] == r["wall_ms"]["per_layer"] / r["wall_ms"]["eager"]
+    assert "at per-layer checkpointing's peak" in report(r) and "per-layer checkpointing in the same rotation" in report(r)

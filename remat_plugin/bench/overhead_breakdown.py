@@ -11,7 +11,9 @@ steps each gives the self CPU time of every profiler event (aten ops, our custom
 nodes), per step.  The events that differ most are listed.  Profiling slows each op down, so the
 events' times add up to more than the unprofiled wall time; compare them with each other.
 ``--budget per-layer`` plans for per-layer checkpointing's measured peak: issue 15's low-budget point, whose
-step time is to be at most 1.15x eager's (median of at least 7 interleaved pairs).
+step time is to be at most 1.15x eager's (median of at least 7 interleaved pairs).  There the peer itself runs in
+the same rotation (eager, ours, per-layer checkpointing; each first, middle and last in turn), so one run says
+what both cost at that peak.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import budget_of, settled_copy
+from remat_plugin.bench.run import budget_of, peer_step_of, settled_copy
 
 SEED = 1234
 
@@ -53,12 +55,15 @@ def run(model: str, budget: str | float, steps: int = 5, pairs: int = 9, **model
         return step
 
     eager, planned = step_of(bench.module, bench.module), step_of(ours.module, rm)
-    for s in (eager, planned, eager, planned):  # warm-up
+    timed = [("eager", eager), ("ours", planned)]
+    if budget == "per-layer":  # the peer whose peak this is, timed in the same rotation
+        timed.append(("per_layer", _peer_step(bench, batch, "per_layer")))
+    for _, s in timed + timed:  # warm-up
         s()
-    wall: dict[str, list[float]] = {"eager": [], "ours": []}
-    for i in range(pairs):
-        order = [("eager", eager), ("ours", planned)]
-        for name, s in order if i % 2 == 0 else reversed(order):
+    wall: dict[str, list[float]] = {name: [] for name, _ in timed}
+    for i in range(pairs):  # each variant first, middle and last in turn, in both directions
+        order = timed[i % len(timed):] + timed[:i % len(timed)]
+        for name, s in order if (i // len(timed)) % 2 == 0 else reversed(order):
             t0 = time.perf_counter()
             s()
             wall[name].append((time.perf_counter() - t0) * 1e3)
@@ -71,20 +76,38 @@ def run(model: str, budget: str | float, steps: int = 5, pairs: int = 9, **model
     rows.sort(key=lambda r: -abs(r["ours_ms"] - r["eager_ms"]))
     medians = {name: statistics.median(times) for name, times in wall.items()}
     totals = {"eager": sum(e_ms for e_ms, _ in eager_ops.values()), "ours": sum(o_ms for o_ms, _ in our_ops.values())}
+    peer = {"peer_ratio": medians["per_layer"] / medians["eager"]} if "per_layer" in medians else {}
     return {
         "model": model, "budget": budget, "budget_bytes": budget_bytes, "none_peak_bytes": none_peak,
         "predicted_overhead": rm.plan.predicted_overhead,
-        "wall_ms": medians, "wall_ratio": medians["ours"] / medians["eager"], "events_ms": totals,
+        "wall_ms": medians, "wall_ratio": medians["ours"] / medians["eager"], **peer, "events_ms": totals,
         "events": rows, "torch": torch.__version__, "threads": torch.get_num_threads(), "pairs": pairs,
         "steps_profiled": steps,
     }
+
+
+def _peer_step(bench, batch, peer: str) -> Callable[[], None]:
+    """One seeded step of ``peer`` (``bench compare``'s per-layer checkpointing), grads reset first."""
+    def step() -> None:
+        with peer_step_of(bench, peer)() as run_peer:
+            bench.module.zero_grad(set_to_none=True)
+            torch.manual_seed(SEED)
+            run_peer(*batch).backward()
+    return step
 
 
 def report(r: dict, top: int = 16) -> str:
     lines = [
         (f"{r['model']} at {_budget_words(r['budget'])} (predicted {r['predicted_overhead']:.3f}x): wall "
          f"{r['wall_ms']['ours']:.2f} ms against eager's {r['wall_ms']['eager']:.2f} ms ({r['wall_ratio']:.3f}x, "
-         f"median of {r['pairs']} interleaved pairs, {r['threads']} thread(s))"),
+         f"median of {r['pairs']} interleaved {'rounds' if 'peer_ratio' in r else 'pairs'}, {r['threads']} "
+         "thread(s))"),
+    ]
+    if "peer_ratio" in r:
+        lines.append(f"  per-layer checkpointing in the same rotation: {r['wall_ms']['per_layer']:.2f} ms "
+                     f"({r['peer_ratio']:.3f}x eager); ours {r['wall_ms']['ours'] / r['wall_ms']['per_layer']:.3f}x "
+                     "the peer's step")
+    lines += [
         (f"  profiler events' self time per step (profiled): ours {r['events_ms']['ours']:.2f} ms, eager "
          f"{r['events_ms']['eager']:.2f} ms"),
         f"  {'event':52s} {'eager ms':>9s} {'calls':>6s} {'ours ms':>9s} {'calls':>6s} {'diff ms':>8s}",
@@ -108,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                              "checkpointing's measured peak)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (bench compare's default)")
     parser.add_argument("--steps", type=int, default=5, help="steps of each profiled")
-    parser.add_argument("--pairs", type=int, default=9, help="interleaved (eager, ours) steps timed")
+    parser.add_argument("--pairs", type=int, default=9,
+                        help="rounds of interleaved steps timed: eager and ours (and at --budget per-layer the peer)")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
     torch.set_num_threads(opts.threads)

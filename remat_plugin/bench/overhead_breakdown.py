@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import budget_of, peer_step_of, settled_copy
+from remat_plugin.bench.run import _timed_steps, budget_of, peer_step_of, settled_copy
 
 SEED = 1234
 
@@ -55,18 +55,17 @@ def run(model: str, budget: str | float, steps: int = 5, pairs: int = 9, **model
         return step
 
     eager, planned = step_of(bench.module, bench.module), step_of(ours.module, rm)
-    timed = [("eager", eager), ("ours", planned)]
-    if budget == "per-layer":  # the peer whose peak this is, timed in the same rotation
-        timed.append(("per_layer", _peer_step(bench, batch, "per_layer")))
-    for _, s in timed + timed:  # warm-up
-        s()
+    timed: list[tuple[str, Callable[[], float]]] = [("eager", lambda: _wall_ms(eager)), ("ours", lambda: _wall_ms(planned))]
+    if budget == "per-layer":  # the peer whose peak this is, timed in the same rotation as bench compare times it
+        peer_step = peer_step_of(bench, "per_layer")
+        timed.append(("per_layer", lambda: _timed_steps(bench, peer_step, batch, device) * 1e3))
+    for _, ms in timed + timed:  # warm-up
+        ms()
     wall: dict[str, list[float]] = {name: [] for name, _ in timed}
     for i in range(pairs):  # each variant first, middle and last in turn, in both directions
         order = timed[i % len(timed):] + timed[:i % len(timed)]
-        for name, s in order if (i // len(timed)) % 2 == 0 else reversed(order):
-            t0 = time.perf_counter()
-            s()
-            wall[name].append((time.perf_counter() - t0) * 1e3)
+        for name, ms in order if (i // len(timed)) % 2 == 0 else reversed(order):
+            wall[name].append(ms())
     eager_ops, our_ops = _self_times(eager, steps), _self_times(planned, steps)
     rows: list[dict] = []
     for key in set(eager_ops) | set(our_ops):
@@ -86,14 +85,10 @@ def run(model: str, budget: str | float, steps: int = 5, pairs: int = 9, **model
     }
 
 
-def _peer_step(bench, batch, peer: str) -> Callable[[], None]:
-    """One seeded step of ``peer`` (``bench compare``'s per-layer checkpointing), grads reset first."""
-    def step() -> None:
-        with peer_step_of(bench, peer)() as run_peer:
-            bench.module.zero_grad(set_to_none=True)
-            torch.manual_seed(SEED)
-            run_peer(*batch).backward()
-    return step
+def _wall_ms(step: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    step()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def report(r: dict, top: int = 16) -> str:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from remat_plugin.bench.models import build
-from remat_plugin.bench.run import _timed_steps, budget_of, peer_step_of, settled_copy
+from remat_plugin.bench.run import budget_of, peer_step_of, settled_copy, timed_steps
 
 SEED = 1234
 
@@ -58,7 +58,7 @@ def run(model: str, budget: str | float, steps: int = 5, pairs: int = 9, **model
     timed: list[tuple[str, Callable[[], float]]] = [("eager", lambda: _wall_ms(eager)), ("ours", lambda: _wall_ms(planned))]
     if budget == "per-layer":  # the peer whose peak this is, timed in the same rotation as bench compare times it
         peer_step = peer_step_of(bench, "per_layer")
-        timed.append(("per_layer", lambda: _timed_steps(bench, peer_step, batch, device) * 1e3))
+        timed.append(("per_layer", lambda: timed_steps(bench, peer_step, batch, device) * 1e3))
     for _, ms in timed + timed:  # warm-up
         ms()
     wall: dict[str, list[float]] = {name: [] for name, _ in timed}

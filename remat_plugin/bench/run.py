@@ -100,7 +100,7 @@ def run_model(
     """All strategies on one model: the peers first, then our plan at each budget fraction."""
     batch = bench.make_batch(BATCH_SEED)
     none_step = peer_step_of(bench, "none")
-    _timed_steps(bench, none_step, batch, device)  # warm-up: first-call allocations are not the model's
+    timed_steps(bench, none_step, batch, device)  # warm-up: first-call allocations are not the model's
     none_peak, none_grads, none_loss = metered_bench_step(bench, none_step, batch, device)
     log.info("%s: none peak %d bytes", bench.name, none_peak)
     context = _RunContext(bench, batch, device, dtype, pairs, none_step, none_peak, none_grads, none_loss)
@@ -334,7 +334,7 @@ def budget_of(bench: BenchModel, budget: str | float, batch: Batch, device: torc
     return int(float(budget) * none_peak), none_peak
 
 
-def _timed_steps(
+def timed_steps(
     bench: BenchModel, peer_step: Callable[[], Any], batch: Batch, device: torch.device, repeats: int = 1
 ) -> float:
     """Seconds for ``repeats`` seeded forward+backward steps, grads reset before each (not timed apart)."""
@@ -362,13 +362,13 @@ def time_ratios(
     A timing of a step shorter than MIN_TIMING_S repeats it, so that timer and scheduler noise
     stays small against what is measured (mlp-chain steps take milliseconds on CPU).
     """
-    none_s = _timed_steps(bench, none_step, batch, device)  # warm-up pair: first calls pay one-off costs
-    _timed_steps(bench, peer_step, batch, device)
+    none_s = timed_steps(bench, none_step, batch, device)  # warm-up pair: first calls pay one-off costs
+    timed_steps(bench, peer_step, batch, device)
     repeats = max(1, math.ceil(MIN_TIMING_S / max(none_s, 1e-6)))
     ratios = []
     for _ in range(pairs):
-        none_s = _timed_steps(bench, none_step, batch, device, repeats)
-        strategy_s = _timed_steps(bench, peer_step, batch, device, repeats)
+        none_s = timed_steps(bench, none_step, batch, device, repeats)
+        strategy_s = timed_steps(bench, peer_step, batch, device, repeats)
         ratios.append(strategy_s / none_s)
     bench.module.zero_grad(set_to_none=True)
     return ratios

@@ -23,6 +23,18 @@ from remat_plugin.bench.models import build
 LOGITS = 1  # HF's CausalLMOutput: (loss, logits)
 
 
+@pytest.fixture(autouse=True)
+def _own_process_caches(monkeypatch):
+    """Each test plans on op costs and planners of its own, not on those earlier test files left in this worker's
+    process caches: the floors compared here come from heuristic searches over those costs.  In one CI run (stop
+    62) this file's gpt2-tiny floors came out 0.5 MB higher, and the dropped-logits floor 2.6 MB higher, than in
+    every isolated run; not reproduced here, and these caches are the state this file shares with earlier ones."""
+    from remat_plugin.runtime import module as remat_module
+    from remat_plugin.runtime.steps import PlanningCaches
+
+    monkeypatch.setattr(remat_module, "PROCESS_CACHES", PlanningCaches())
+
+
 def _gpt2():
     bm = build("gpt2-tiny", n_layer=2, batch_size=4, seq_len=128)
     return bm.module, copy.deepcopy(bm.module), bm.make_batch(0)

@@ -52,3 +52,24 @@ def test_another_graph_is_timed(monkeypatch):
     timed = _counting_timer(monkeypatch)
     capture_problem(other, (torch.randn(4, 8, 24, 24),), op_timings=timings)
     assert any(name.startswith("convolution") for name in timed)  # not carried across graphs
+
+
+def _scratch(problem) -> dict[str, int]:
+    return {op.name: op.temp_bytes for op in problem.ops if op.temp_bytes}
+
+
+def test_scratch_kept_under_a_profiler_is_read_by_the_next_capture_outside_one():
+    """NOTE [scratch read later]: a carry made inside a profiler keeps the other shape's scratch, an op first
+    measured there has none read; the next capture of those sizes outside a profiler reads both, as a fresh one."""
+    net = _conv_net()
+    fresh = _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),))[0])
+    assert fresh
+    carried = OpTimings()
+    capture_problem(net, (torch.randn(4, 8, 24, 24),), op_timings=carried)
+    first_inside = OpTimings()
+    with torch.profiler.profile(profile_memory=True):
+        inside_carried = _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=carried)[0])
+        inside_new = _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=first_inside)[0])
+    assert inside_carried != fresh and inside_new == {}  # batch 4's bytes, and none read
+    for timings in (carried, first_inside):
+        assert _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=timings)[0]) == fresh

@@ -28,7 +28,8 @@ def _own_process_caches(monkeypatch):
     """Each test plans on op costs and planners of its own, not on those earlier test files left in this worker's
     process caches: the floors compared here come from heuristic searches over those costs.  In one CI run (stop
     62) this file's gpt2-tiny floors came out 0.5 MB higher, and the dropped-logits floor 2.6 MB higher, than in
-    every isolated run; not reproduced here, and these caches are the state this file shares with earlier ones."""
+    every isolated run, in one worker.  Not reproduced; one way such state got in is mended (NOTE [scratch read
+    later]: scratch carried inside a profiler stood for later plans of those sizes)."""
     from remat_plugin.runtime import module as remat_module
     from remat_plugin.runtime.steps import PlanningCaches
 

@@ -39,6 +39,13 @@ NOTE [op times across shapes]
     like the first; only measurements are carried on to further shapes.  Under a profiler (a re-plan
     inside the caller's ``torch.profiler``) scratch cannot be read, and a carried op keeps the
     scratch of the shape measured.
+
+NOTE [scratch read later]
+    Costs taken under a profiler keep scratch that was not read at their sizes: 0 for an op measured
+    there, the other shape's bytes for a carried one.  They are marked, and the next capture outside a
+    profiler that meets them reads their scratch and keeps that instead.  Before, they stood for the
+    rest of the process: gpt2-tiny planned at 8x128, then at 4x128 inside a profiler, gave every later
+    4x128 plan twice the dropout draws' scratch (8x128's bytes), outside a profiler too.
 """
 from __future__ import annotations
 
@@ -312,26 +319,42 @@ class OpTimings:
         # graph of the same shapes (a re-plan for the outputs the caller drops) takes the same numbers, not another
         # carry from another measurement, so its plan and the first are judged alike.
         self._carried: OrderedDict[tuple, tuple[float, int]] = OrderedDict()
+        # Entries of either table whose scratch was not read at their sizes (NOTE [scratch read later]).
+        self._scratch_unread: set[tuple] = set()
 
     def get(self, sig: tuple) -> tuple[float, int] | None:
         """``(time_ms, temp_bytes)`` measured for ``sig``, or None."""
         return self._ms.get(sig)
 
-    def put(self, sig: tuple, ms: float, temp_bytes: int) -> None:
+    def put(self, sig: tuple, ms: float, temp_bytes: int, scratch_read: bool = True) -> None:
         self._bounded(self._ms, sig, (ms, temp_bytes))
+        self._mark(sig, scratch_read)
 
     def carried(self, sig: tuple) -> tuple[float, int] | None:
         """``(time_ms, temp_bytes)`` carried to ``sig``'s sizes by an earlier capture, or None."""
         return self._carried.get(sig)
 
-    def put_carried(self, sig: tuple, ms: float, temp_bytes: int) -> None:
+    def put_carried(self, sig: tuple, ms: float, temp_bytes: int, scratch_read: bool = True) -> None:
         self._bounded(self._carried, sig, (ms, temp_bytes))
+        self._mark(sig, scratch_read)
+
+    def scratch_unread(self, sig: tuple) -> bool:
+        """True where ``sig``'s kept scratch was not read at its sizes: to be read by the next capture that can."""
+        return sig in self._scratch_unread
+
+    def _mark(self, sig: tuple, scratch_read: bool) -> None:
+        if scratch_read:
+            self._scratch_unread.discard(sig)
+        else:
+            self._scratch_unread.add(sig)
 
     def _bounded(self, table: OrderedDict, key: tuple, value: tuple) -> None:
         """Add ``key`` to ``table``; the oldest entries go beyond ``max_entries``."""
         table[key] = value
         while len(table) > self.max_entries:
-            table.popitem(last=False)
+            gone, _ = table.popitem(last=False)
+            if gone not in self._ms and gone not in self._carried:
+                self._scratch_unread.discard(gone)
 
     def measured_in_graph(self, graph: str, node: fx.Node) -> tuple[fx.Node, float, int] | None:
         """The node at ``node``'s place in graph ``graph`` (a :attr:`JointGraph.structure_key`) when it was
@@ -409,12 +432,16 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
         if found is not None:
             measured[sig] = found
     # Under a profiler scratch cannot be read (_temp_bytes): a carried op keeps the scratch of the shape measured
-    warm = not profiler_active()  # then every new op ran once, profiled, before it is timed
-    rescratch = [] if profiler_active() else [sig for sig in carried if measured[sig][1] > 0]
-    with_scratch = [*new, *rescratch]
+    reading = not profiler_active()
+    warm = reading  # then every new op ran once, profiled, before it is timed
+    rescratch = [sig for sig in carried if measured[sig][1] > 0] if reading else []
+    # scratch taken under a profiler before: read now (NOTE [scratch read later])
+    stale = [sig for sig in dict.fromkeys(sigs) if sig not in new and sig not in carried
+             and timings.scratch_unread(sig)] if reading else []
+    with_scratch = [*new, *rescratch, *stale]
     scratch: dict[tuple, int] = {}
     if with_scratch:
-        nodes = {**new, **carried}
+        nodes = {**dict(zip(sigs, joint.ops)), **new, **carried}
         scratch = dict(zip(with_scratch, _temp_bytes([nodes[s] for s in with_scratch], device, real)))
     for i, (sig, node) in enumerate(new.items()):
         measured[sig] = (_measured_ms(joint, node, device, real, warm), 0)
@@ -423,9 +450,11 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     for sig, b in scratch.items():
         measured[sig] = (measured[sig][0], b)
     for sig in new:
-        timings.put(sig, *measured[sig])
+        timings.put(sig, *measured[sig], scratch_read=reading)
     for sig in carried:
-        timings.put_carried(sig, *measured[sig])
+        timings.put_carried(sig, *measured[sig], scratch_read=reading or measured[sig][1] == 0)
+    for sig in stale:
+        (timings.put_carried if sig in carried_before else timings.put)(sig, *measured[sig])
     time_ms: dict[str, float] = {}
     temp: dict[str, int] = {}
     for node, sig in zip(joint.ops, sigs):

@@ -60,7 +60,8 @@ def _scratch(problem) -> dict[str, int]:
 
 def test_scratch_kept_under_a_profiler_is_read_by_the_next_capture_outside_one():
     """NOTE [scratch read later]: a carry made inside a profiler keeps the other shape's scratch, an op first
-    measured there has none read; the next capture of those sizes outside a profiler reads both, as a fresh one."""
+    measured there has none read; the next capture of those sizes outside a profiler reads both, as a fresh one,
+    and so does a capture that carries the latter to other sizes."""
     net = _conv_net()
     fresh = _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),))[0])
     assert fresh
@@ -71,5 +72,10 @@ def test_scratch_kept_under_a_profiler_is_read_by_the_next_capture_outside_one()
         inside_carried = _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=carried)[0])
         inside_new = _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=first_inside)[0])
     assert inside_carried != fresh and inside_new == {}  # batch 4's bytes, and none read
+    carried_on = OpTimings()
+    with torch.profiler.profile(profile_memory=True):
+        capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=carried_on)
+    assert _scratch(capture_problem(net, (torch.randn(4, 8, 24, 24),), op_timings=carried_on)[0]) == \
+        _scratch(capture_problem(net, (torch.randn(4, 8, 24, 24),))[0])  # carried on to batch 4: read there
     for timings in (carried, first_inside):
         assert _scratch(capture_problem(net, (torch.randn(2, 8, 24, 24),), op_timings=timings)[0]) == fresh

@@ -43,7 +43,8 @@ NOTE [op times across shapes]
 NOTE [scratch read later]
     Costs taken under a profiler keep scratch that was not read at their sizes: 0 for an op measured
     there, the other shape's bytes for a carried one.  They are marked, and the next capture outside a
-    profiler that meets them reads their scratch and keeps that instead.  Before, they stood for the
+    profiler that meets them reads their scratch and keeps that instead; one that carries such an op to
+    other sizes reads its scratch there, though none was seen.  Before, they stood for the
     rest of the process: gpt2-tiny planned at 8x128, then at 4x128 inside a profiler, gave every later
     4x128 plan twice the dropout draws' scratch (8x128's bytes), outside a profiler too.
 """
@@ -416,6 +417,7 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     new: dict[tuple, fx.Node] = {}  # timed here
     carried: dict[tuple, fx.Node] = {}  # scaled from the same graph at another shape (NOTE [op times across shapes])
     carried_before: set[tuple] = set()  # carried to these sizes by an earlier capture: taken as they were
+    carried_unread: set[tuple] = set()  # carried from a measurement whose scratch was not read
     graph = joint.structure_key
     sigs = [op_signature(node) for node in joint.ops]
     for node, sig in zip(joint.ops, sigs):
@@ -427,6 +429,8 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
             if before is not None:
                 found = (before[1] * _work_ratio(before[0], node), before[2])
                 carried[sig] = node
+                if timings.scratch_unread(op_signature(before[0])):  # none read there: read it here
+                    carried_unread.add(sig)
             else:
                 new[sig] = node
         if found is not None:
@@ -434,7 +438,7 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     # Under a profiler scratch cannot be read (_temp_bytes): a carried op keeps the scratch of the shape measured
     reading = not profiler_active()
     warm = reading  # then every new op ran once, profiled, before it is timed
-    rescratch = [sig for sig in carried if measured[sig][1] > 0] if reading else []
+    rescratch = [sig for sig in carried if measured[sig][1] > 0 or sig in carried_unread] if reading else []
     # scratch taken under a profiler before: read now (NOTE [scratch read later])
     stale = [sig for sig in dict.fromkeys(sigs) if sig not in new and sig not in carried
              and timings.scratch_unread(sig)] if reading else []
@@ -452,7 +456,8 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     for sig in new:
         timings.put(sig, *measured[sig], scratch_read=reading)
     for sig in carried:
-        timings.put_carried(sig, *measured[sig], scratch_read=reading or measured[sig][1] == 0)
+        timings.put_carried(sig, *measured[sig],
+                            scratch_read=reading or (measured[sig][1] == 0 and sig not in carried_unread))
     for sig in stale:
         (timings.put_carried if sig in carried_before else timings.put)(sig, *measured[sig])
     time_ms: dict[str, float] = {}

@@ -343,6 +343,10 @@ class OpTimings:
         """True where ``sig``'s kept scratch was not read at its sizes: to be read by the next capture that can."""
         return sig in self._scratch_unread
 
+    def any_scratch_unread(self) -> bool:
+        """Whether any kept entry awaits its scratch: captures skip looking when none does (most processes)."""
+        return bool(self._scratch_unread)
+
     def _mark(self, sig: tuple, scratch_read: bool) -> None:
         if scratch_read:
             self._scratch_unread.discard(sig)
@@ -418,6 +422,7 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     carried: dict[tuple, fx.Node] = {}  # scaled from the same graph at another shape (NOTE [op times across shapes])
     carried_before: set[tuple] = set()  # carried to these sizes by an earlier capture: taken as they were
     carried_unread: set[tuple] = set()  # carried from a measurement whose scratch was not read
+    unread_kept = timings.any_scratch_unread()  # else no entry needs its signature looked up again
     graph = joint.structure_key
     sigs = [op_signature(node) for node in joint.ops]
     for node, sig in zip(joint.ops, sigs):
@@ -429,7 +434,7 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
             if before is not None:
                 found = (before[1] * _work_ratio(before[0], node), before[2])
                 carried[sig] = node
-                if timings.scratch_unread(op_signature(before[0])):  # none read there: read it here
+                if unread_kept and timings.scratch_unread(op_signature(before[0])):  # none read there: read it here
                     carried_unread.add(sig)
             else:
                 new[sig] = node
@@ -441,7 +446,7 @@ def _profile_ops(joint: JointGraph, device: torch.device, progress, timings: OpT
     rescratch = [sig for sig in carried if measured[sig][1] > 0 or sig in carried_unread] if reading else []
     # scratch taken under a profiler before: read now (NOTE [scratch read later])
     stale = [sig for sig in dict.fromkeys(sigs) if sig not in new and sig not in carried
-             and timings.scratch_unread(sig)] if reading else []
+             and timings.scratch_unread(sig)] if reading and unread_kept else []
     with_scratch = [*new, *rescratch, *stale]
     scratch: dict[tuple, int] = {}
     if with_scratch:

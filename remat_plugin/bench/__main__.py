@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
         fsdp_main(argv[1:])
         return 0
-    if argv[:1] in (["dropped-outputs"], ["dropout-masks"], ["in-place-adds"]):  # one capture feature on against off
+    if argv[:1] in (["dropped-outputs"], ["output-liveness"], ["dropout-masks"], ["in-place-adds"]):  # one capture feature on against off
         from remat_plugin.bench.capture_features import main as capture_feature_main
 
         capture_feature_main(argv[1:], feature=argv[0])

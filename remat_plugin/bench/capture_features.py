@@ -2,12 +2,15 @@
 
     python -m remat_plugin.bench dropped-outputs [--model gpt2-tiny] [--budget 0.5] [--pairs 9]
         [--hold-outputs] [--json results/dropped_outputs_cpu.json]
+    python -m remat_plugin.bench output-liveness [--budget 0.5] [--match-step 1] [--json ...]
     python -m remat_plugin.bench dropout-masks [--model gpt2-tiny] [--budget 0.4] [--pairs 9] [--json ...]
     python -m remat_plugin.bench in-place-adds [--model gpt2-tiny] [--budget 1.0] [--pairs 9] [--json ...]
 
 ``dropped-outputs``: ``folded`` as the package runs (NOTE [dropped tangents]: no logits-sized zero
 gradient, no add) against ``materialized``, autograd filling the logits' gradient with zeros that
-the program adds.  ``dropout-masks``: ``split`` as the package runs (NOTE [dropout masks]: a CPU
+the program adds.  ``output-liveness``: ``freed`` as the package runs (NOTE [output usage]: the outputs the
+loop drops freed after the forward, without gradients) against ``kept``, the first plan's way (every output kept
+to the step's end, its gradient zeros that the program adds).  ``dropout-masks``: ``split`` as the package runs (NOTE [dropout masks]: a CPU
 dropout is its mask and a multiply) against ``whole``, each dropout one random op.  ``in-place-adds``:
 ``in-place`` as the package runs (NOTE [in-place adds]) against ``functional``, every add out of place.
 
@@ -19,6 +22,9 @@ metered step each (allocator peak, gradients against the unmodified model's) and
 unmodified step and both variants, the order rotating.  Reported: the plans' smallest feasible budgets
 and predictions, measured peaks, median step times, each variant's measured overhead (the median of its
 step over the unmodified one in the same round) beside its plan's prediction, and the on/off ratio.
+With ``--match-step`` the feature on is also planned at the lowest budget, that many MiB apart below the budget,
+whose plan predicts no slower than the feature off at the budget (``<on>-matched``): the memory the feature saves
+at the same speed, metered and timed in the same rounds.
 """
 from __future__ import annotations
 
@@ -38,17 +44,21 @@ from remat_plugin.capture.dropout_masks import dropouts_as_traced
 from remat_plugin.capture.dropped_tangents import tangents_materialized
 from remat_plugin.capture.in_place_adds import adds_functional
 from remat_plugin.capture.memory_meter import measure_peak_profiler
+from remat_plugin.errors import InfeasibleBudgetError
 from remat_plugin.runtime.module import RematModule
+from remat_plugin.runtime.resolver import outputs_planned_as_first
 from remat_plugin.runtime.side_effects import unobserved
 
 # feature -> (its variant on, its variant off, what turns it off for the captures inside)
 Switch = Callable[[], contextlib.AbstractContextManager]
 FEATURES: dict[str, tuple[str, str, Switch]] = {
     "dropped-outputs": ("folded", "materialized", tangents_materialized),
+    "output-liveness": ("freed", "kept", outputs_planned_as_first),
     "dropout-masks": ("split", "whole", dropouts_as_traced),
     "in-place-adds": ("in-place", "functional", adds_functional),
 }
 SEED = 1234
+MATCH_STEPS = 24  # budgets tried below the budget for the matched variant
 
 
 def _step(module, bench, batch, hold: bool = False) -> torch.Tensor:
@@ -80,9 +90,34 @@ def _planned(bench, batch, budget: int, switch, hold: bool) -> RematModule:
     return rm
 
 
-def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feature: str = "dropped-outputs") -> dict:
+def _matched(bench, batch, budget: int, step_bytes: int, hold: bool, slowest: float) -> tuple[RematModule, int]:
+    """The feature on at the lowest budget, ``step_bytes`` apart below ``budget``, whose plan predicts no slower than
+    ``slowest``: the memory it saves at the same speed (the scan stops at the first budget that is slower or
+    infeasible)."""
+    best: tuple[RematModule, int] | None = None
+    for k in range(1, MATCH_STEPS + 1):
+        lower = budget - k * step_bytes
+        trial = copy.copy(bench)
+        trial.module = copy.deepcopy(bench.module)
+        try:
+            rm = _planned(trial, batch, lower, contextlib.nullcontext, hold)
+        except InfeasibleBudgetError:
+            break
+        assert rm.plan is not None
+        if rm.plan.predicted_overhead > slowest:
+            break
+        best = (rm, lower)
+    if best is None:
+        raise RuntimeError(f"no budget {step_bytes / 2**20:.2f} MiB or more below {budget / 2**20:.2f} MiB plans as "
+                           f"fast as the feature turned off ({slowest:.4f}x); nothing to match")
+    return best
+
+
+def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feature: str = "dropped-outputs",
+        match_step_mib: float | None = None) -> dict:
+    """``match_step_mib``: also plan the feature on at the lowest budget, that many MiB apart below the budget,
+    whose plan predicts no slower than the feature off at the budget (variant ``<on>-matched``)."""
     on, off, turned_off = FEATURES[feature]
-    variants = (on, off)
     switches: dict[str, Switch] = {on: contextlib.nullcontext, off: turned_off}
     bench = build(model)
     batch = bench.make_batch(0)
@@ -96,11 +131,21 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
     reference_grads = _grads(reference)
     reference_repeatable = _same(first_grads, reference_grads)
     budget = int(budget_fraction * none_peak)
-    modules, benches, out = {}, {}, {}
-    for variant in variants:
-        benches[variant] = copy.copy(bench)
-        benches[variant].module = copy.deepcopy(reference)
-        modules[variant] = _planned(benches[variant], batch, budget, switches[variant], hold)
+    modules: dict[str, RematModule] = {}
+    budgets: dict[str, int] = {}
+    out: dict[str, dict] = {}
+    for variant in (on, off):
+        copied = copy.copy(bench)
+        copied.module = copy.deepcopy(reference)
+        modules[variant], budgets[variant] = _planned(copied, batch, budget, switches[variant], hold), budget
+    if match_step_mib is not None:
+        matched = f"{on}-matched"
+        slowest = modules[off].plan.predicted_overhead  # type: ignore[union-attr]
+        base = copy.copy(bench)
+        base.module = reference
+        modules[matched], budgets[matched] = _matched(base, batch, budget, int(match_step_mib * 2**20), hold, slowest)
+        switches[matched] = contextlib.nullcontext
+    variants = tuple(modules)
     for variant in variants:
         rm = modules[variant]
         plan = rm.plan
@@ -109,6 +154,7 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
             _, peak = measure_peak_profiler(functools.partial(_step, rm, bench, batch, hold))
         grads = _grads(rm)
         out[variant] = {
+            "budget_bytes": budgets[variant],
             "measured_peak_bytes": peak,
             "predicted_peak_bytes": plan.predicted_peak_bytes,
             "predicted_overhead": plan.predicted_overhead,
@@ -116,7 +162,7 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
             "dropped_outputs": list(plan.dropped_outputs),
             "ungraded_outputs": list(plan.ungraded_outputs),
             "grads_bitwise": _same(grads, reference_grads),
-            "within_budget": peak <= budget,
+            "within_budget": peak <= budgets[variant],
             # the largest difference and the parameters it is in, so a run that is not bitwise says by how much
             "grad_max_abs_diff": max((float((a - b).abs().max()) for a, b in zip(grads, reference_grads)
                                       if a is not None and b is not None), default=0.0),
@@ -124,14 +170,14 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
                                 if a is not None and b is not None and not torch.equal(a, b)],
         }
     plans = {v: modules[v].plan for v in variants}
-    # Each round steps the unmodified model and both variants, the order rotating, so each variant's step time is
+    # Each round steps the unmodified model and every variant, the order rotating, so each variant's step time is
     # also read against the unmodified step's (its measured overhead, beside the plan's prediction).
     stepped: dict[str, torch.nn.Module] = {"none": reference, **modules}
     switches["none"] = contextlib.nullcontext
     names = ("none", *variants)
     times: dict[str, list[float]] = {v: [] for v in names}
     for k in range(pairs + 1):
-        for variant in names[k % 3:] + names[:k % 3]:
+        for variant in names[k % len(names):] + names[:k % len(names)]:
             with switches[variant]():
                 t0 = time.perf_counter()
                 _step(stepped[variant], bench, batch, hold)
@@ -143,10 +189,11 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
         out[variant]["median_step_s"] = statistics.median(times[variant])
         out[variant]["step_s"] = times[variant]
         out[variant]["measured_overhead"] = statistics.median(a / b for a, b in zip(times[variant], times["none"]))
-    ratios = [a / b for a, b in zip(times[on], times[off])]
-    return {"feature": feature, "on": on, "off": off, "model": model, "hold_outputs": hold, "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
+    ratios = {v: statistics.median(a / b for a, b in zip(times[v], times[off])) for v in variants if v != off}
+    return {"feature": feature, "on": on, "off": off, "model": model, "hold_outputs": hold,
+            "budget_fraction": budget_fraction, "budget_bytes": budget, "none_peak_bytes": none_peak,
             "reference_repeatable": reference_repeatable,
-            "pairs": pairs, "variants": out, "median_time_ratio": statistics.median(ratios),
+            "pairs": pairs, "variants": out, "median_time_ratio": ratios[on], "median_time_ratios": ratios,
             "none_step_s": times["none"],
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -163,9 +210,14 @@ def main(argv: list[str] | None = None, feature: str = "dropped-outputs") -> Non
     parser.add_argument("--hold-outputs", action="store_true",
                         help="the loop holds the model's output through backward (out = model(...); "
                              "out.loss.backward()) instead of keeping the loss only")
+    parser.add_argument("--match-step", type=float, metavar="MIB",
+                        help="also plan the feature on at the lowest budget, this many MiB apart below the budget, "
+                             "that predicts no slower than the feature off at the budget")
     parser.add_argument("--json")
     opts = parser.parse_args(argv)
-    result = run(opts.model, opts.budget, opts.pairs, opts.hold_outputs, feature)
+    if opts.match_step is not None and opts.match_step <= 0:
+        parser.error(f"--match-step must be a positive number of MiB, not {opts.match_step}")
+    result = run(opts.model, opts.budget, opts.pairs, opts.hold_outputs, feature, opts.match_step)
     idiom = ("holds the output through backward, no gradient reaching the logits" if opts.hold_outputs
              else "keeps .loss and drops the logits")
     print(f"{opts.model}, budget {opts.budget} of the unmodified peak ({_mib(result['budget_bytes'])}), "
@@ -173,7 +225,7 @@ def main(argv: list[str] | None = None, feature: str = "dropped-outputs") -> Non
           f"the unmodified model's first two steps' "
           f"gradients {'equal' if result['reference_repeatable'] else 'DIFFER (the oracle is its second step)'}")
     for variant, r in result["variants"].items():
-        print(f"  {variant:13s} smallest feasible {_mib(r['min_feasible_bytes'])}, measured peak "
+        print(f"  {variant:13s} budget {_mib(r['budget_bytes'])}, smallest feasible {_mib(r['min_feasible_bytes'])}, measured peak "
               f"{_mib(r['measured_peak_bytes'])} (predicted {_mib(r['predicted_peak_bytes'])}, within budget "
               f"{r['within_budget']}), predicted {r['predicted_overhead']:.3f}x, measured {r['measured_overhead']:.3f}x, "
               f"step {r['median_step_s'] * 1e3:.0f} ms, "
@@ -184,6 +236,12 @@ def main(argv: list[str] | None = None, feature: str = "dropped-outputs") -> Non
     f, m = result["variants"][on], result["variants"][off]
     print(f"  {on} against {off}: smallest feasible {(f['min_feasible_bytes'] - m['min_feasible_bytes']) / 2**20:+.2f} "
           f"MiB, step time {result['median_time_ratio']:.3f}x")
+    matched = result["variants"].get(f"{on}-matched")
+    if matched is not None:
+        print(f"  {on}-matched against {off}: measured peak "
+              f"{(matched['measured_peak_bytes'] - m['measured_peak_bytes']) / 2**20:+.2f} MiB, step time "
+              f"{result['median_time_ratios'][f'{on}-matched']:.3f}x (predicted {matched['predicted_overhead']:.4f}x "
+              f"against {m['predicted_overhead']:.4f}x)")
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -94,6 +94,7 @@ from remat_plugin.capture.export import ExecutionOptions, graph_text
 from remat_plugin.capture.module_attributes import not_read, say_changed
 from remat_plugin.capture.output_usage import OutputUsage, in_flight, outputs_beside_the_loss
 from remat_plugin.capture.segments import MAX_SEGMENTS
+from remat_plugin.capture.switches import CaptureSwitch
 from remat_plugin.errors import CallsInFlightError, CaptureError, InfeasibleBudgetError, RematError, human_bytes
 from remat_plugin.ir.plan import Plan, budget_for_peak
 from remat_plugin.runtime import dist
@@ -119,6 +120,13 @@ log = logging.getLogger(__name__)
 BudgetFn = Callable[[], int]  # the budget in bytes, asked for only when a step must be made
 REFINE_MIN_SHARE = 0.01  # dropped outputs smaller than this share of the predicted peak are not worth a re-plan
 MANY_SHAPES = 16  # input signatures after which the caller is told each new one is captured again (NOTE [many shapes])
+_planning_for_usage = CaptureSwitch()
+
+
+def outputs_planned_as_first() -> contextlib.AbstractContextManager[None]:
+    """Steps run inside keep their first plan's outputs: each kept to the step's end with its gradient (the package
+    before NOTE [output usage]; a benchmark's baseline).  A caller's use a plan cannot run is still re-planned for."""
+    return _planning_for_usage.off()
 
 
 class StepTable(dict[str, PlannedStep]):
@@ -502,7 +510,7 @@ class StepResolver:
                             "shapes for their gradient", sorted(graded - kept), model)
             still_dropped = dropped & usage.dropped
             return still_dropped, (dropped | ungraded) - usage.graded - still_dropped
-        if not solved_here or call.key in self._refined:
+        if not solved_here or call.key in self._refined or not _planning_for_usage.on:
             return None
         if plan.loss_only_floors and ungraded and not dropped and ungraded <= usage.dropped:
             to_free, without_gradient = ungraded, frozenset[int]()  # NOTE [refined step-down]

@@ -90,17 +90,23 @@ def _planned(bench, batch, budget: int, switch, hold: bool) -> RematModule:
     return rm
 
 
-def _matched(bench, batch, budget: int, step_bytes: int, hold: bool, slowest: float) -> tuple[RematModule, int]:
+def _on_a_copy(bench, module: torch.nn.Module):
+    """``bench`` stepping its own deep copy of ``module``."""
+    copied = copy.copy(bench)
+    copied.module = copy.deepcopy(module)
+    return copied
+
+
+def _matched(bench, reference: torch.nn.Module, batch, budget: int, step_bytes: int, hold: bool,
+             slowest: float) -> tuple[RematModule, int]:
     """The feature on at the lowest budget, ``step_bytes`` apart below ``budget``, whose plan predicts no slower than
     ``slowest``: the memory it saves at the same speed (the scan stops at the first budget that is slower or
     infeasible)."""
     best: tuple[RematModule, int] | None = None
     for k in range(1, MATCH_STEPS + 1):
         lower = budget - k * step_bytes
-        trial = copy.copy(bench)
-        trial.module = copy.deepcopy(bench.module)
         try:
-            rm = _planned(trial, batch, lower, contextlib.nullcontext, hold)
+            rm = _planned(_on_a_copy(bench, reference), batch, lower, contextlib.nullcontext, hold)
         except InfeasibleBudgetError:
             break
         assert rm.plan is not None
@@ -135,15 +141,13 @@ def run(model: str, budget_fraction: float, pairs: int, hold: bool = False, feat
     budgets: dict[str, int] = {}
     out: dict[str, dict] = {}
     for variant in (on, off):
-        copied = copy.copy(bench)
-        copied.module = copy.deepcopy(reference)
-        modules[variant], budgets[variant] = _planned(copied, batch, budget, switches[variant], hold), budget
+        modules[variant] = _planned(_on_a_copy(bench, reference), batch, budget, switches[variant], hold)
+        budgets[variant] = budget
     if match_step_mib is not None:
         matched = f"{on}-matched"
         slowest = modules[off].plan.predicted_overhead  # type: ignore[union-attr]
-        base = copy.copy(bench)
-        base.module = reference
-        modules[matched], budgets[matched] = _matched(base, batch, budget, int(match_step_mib * 2**20), hold, slowest)
+        modules[matched], budgets[matched] = _matched(bench, reference, batch, budget, int(match_step_mib * 2**20),
+                                                      hold, slowest)
         switches[matched] = contextlib.nullcontext
     variants = tuple(modules)
     for variant in variants:

@@ -8,7 +8,7 @@ PY214 := .venv-torch2.14/bin/python
 # have no shared port or module fixture: test by test.
 PYTEST := -m pytest -q -n 2
 # The core tests, also run on torch 2.14 (the one list of them): capture, planning, the runtime, the training loop
-# (gpt2-tiny, llama-tiny), the Lightning, Accelerate and DDP integrations end to end.  ~5 min here.  The slower
+# (gpt2-tiny, llama-tiny), the Lightning, Accelerate and DDP integrations end to end.  The slower
 # files (model families, plan quality, launches, CLI, benchmarks, examples) run on torch 2.13 only.
 CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs_table.py tests/test_session.py \
 	tests/test_memory.py tests/test_layers.py tests/test_training_loop.py tests/test_lightning.py \
@@ -20,10 +20,15 @@ CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs
 	tests/test_interpolations.py tests/test_mixture_of_experts.py tests/test_profiled_inputs.py tests/test_tensor_checks.py \
 	tests/test_recurrent_layers.py tests/test_draw_order.py tests/test_stride_fallbacks.py tests/test_cast_cache.py \
 	tests/test_graded_constants.py tests/test_assigned_tensors.py tests/test_tensor_hooks.py
-# On torch 2.14 the budget sweeps (test_api's and the mixed-precision ones, ~200 s) and the second compiled model
-# are left out: the other tests of those files reach the same torch APIs (export, the partitioner,
-# traced_like_eager, inductor) in far less time.  CI's budget is 30 minutes for both runs and the set-up.
-CORE_DESELECT := -k "not every_budget and not budget_sweep and not stays_under_budget[bert-tiny]"
+# On torch 2.14 the budget sweeps (test_api's and the mixed-precision ones, ~200 s), the second compiled model, the
+# two-process launches (DDP, Lightning DDP, HF Trainer) and the extra model families (MobileViT, LLaVA, MoE, BEiT,
+# T5's decoder, RNN dropout, ~660 s) are left out: the other tests of those files reach the same torch APIs (export,
+# the partitioner, traced_like_eager, inductor, the process group) in far less time.  The whole suite passed on
+# torch 2.14 by hand (README).  CI's budget is 30 minutes for both runs and the set-up.
+CORE_DESELECT := -k "not every_budget and not budget_sweep and not stays_under_budget[bert-tiny] \
+	and not two_processes and not under_ddp and not ddp_below and not ddp_buckets and not mobilevit and not llava \
+	and not routed_and_shared and not beit and not t5_decoder_without and not retain_graph_and_interleaved \
+	and not multi_layer_dropout_is_bitwise_eager[RNN"
 
 .venv/ready: pyproject.toml constraints-dev.txt
 	python3 -m venv .venv

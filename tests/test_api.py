@@ -81,7 +81,7 @@ def test_float32_within_tolerance():
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "mlp-chain", "resnet-tiny"])
 def test_budget_sweep_measured_within_budget_and_prediction(name):
-    """10-point sweep, float32, measured at the CPU allocator (profiler events, oneDNN scratch included): peak ≤
+    """6-point sweep, float32, measured at the CPU allocator (profiler events, oneDNN scratch included): peak ≤
     budget at every point; prediction within 5% of the meter once the plan has settled (gpt2-tiny's loop keeps
     only the loss: its logits are freed after the forward from the second step on, NOTE [output usage])."""
     a, _ = _pair(name, torch.float32)

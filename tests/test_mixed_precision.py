@@ -48,7 +48,7 @@ def _assert_bitwise(loss, grads, loss_ref, grads_ref, label):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_bf16_autocast_bitwise_and_under_budget_at_every_budget(name):
-    """Dropout on, 10 budgets from the unmodified peak to the smallest feasible one: loss and every
+    """Dropout on, 6 budgets from the unmodified peak to the smallest feasible one: loss and every
     gradient bitwise equal to eager bf16 autocast, the allocator's peak within each budget."""
     bench = build(name, seed=0, **MODELS[name])
     batch = bench.make_batch(0)
@@ -63,8 +63,7 @@ def test_bf16_autocast_bitwise_and_under_budget_at_every_budget(name):
         settle(lambda rm=rm: _step(rm, bench, batch))
         measured = measure_peak_profiler(lambda rm=rm: _step(rm, bench, batch))[1]
         assert measured <= budget, (i, measured, budget)
-        if i % 3 == 0 or i == 9:
-            _assert_bitwise(_step(rm, bench, batch), _grads(bench), loss_ref, grads_ref, f"budget {i}")
+        _assert_bitwise(_step(rm, bench, batch), _grads(bench), loss_ref, grads_ref, f"budget {i}")
 
 
 def test_autocast_is_part_of_the_signature():

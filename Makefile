@@ -21,10 +21,11 @@ CORE_TESTS := tests/test_torch_versions.py tests/test_api.py tests/test_programs
 	tests/test_recurrent_layers.py tests/test_draw_order.py tests/test_stride_fallbacks.py tests/test_cast_cache.py \
 	tests/test_graded_constants.py tests/test_assigned_tensors.py tests/test_tensor_hooks.py
 # On torch 2.14 the budget sweeps (test_api's and the mixed-precision ones, ~200 s), the second compiled model, the
-# two-process launches (DDP, Lightning DDP, HF Trainer) and the extra model families (MobileViT, LLaVA, MoE, BEiT,
-# T5's decoder, RNN dropout, ~660 s) are left out: the other tests of those files reach the same torch APIs (export,
-# the partitioner, traced_like_eager, inductor, the process group) in far less time.  The whole suite passed on
-# torch 2.14 by hand (README).  CI's budget is 30 minutes for both runs and the set-up.
+# two-process launches (DDP, Lightning DDP and its auto batch size, HF Trainer), the extra model families (MobileViT,
+# LLaVA, MoE, BEiT, T5's decoder, RNN dropout) and autograd.grad interleaving (~660 s together) are left out: the
+# other tests of those files reach the same torch APIs (export, the partitioner, traced_like_eager, inductor, the
+# process group) in far less time.  The whole suite passed on torch 2.14 by hand (README).  CI aims at 30 minutes
+# for both runs and the set-up; it took 65 on this machine's slow state (2026-11-30).
 CORE_DESELECT := -k "not every_budget and not budget_sweep and not stays_under_budget[bert-tiny] \
 	and not two_processes and not under_ddp and not ddp_below and not ddp_buckets and not mobilevit and not llava \
 	and not routed_and_shared and not beit and not t5_decoder_without and not retain_graph_and_interleaved \

@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
 
         overhead_breakdown_main(argv[1:])
         return 0
+    if argv[:1] == ["symbolic-capture"]:  # torch's capture with batch and length symbolic against static
+        from remat_plugin.bench.symbolic_capture import main as symbolic_capture_main
+
+        symbolic_capture_main(argv[1:])
+        return 0
     if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
         from remat_plugin.bench.batch_size_bench import main as batch_size_main
 

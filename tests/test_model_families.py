@@ -113,6 +113,40 @@ def test_floor_search_tries_options_the_menus_lack():
     assert sim.peak_bytes <= lowest_peak(full)[1].peak_bytes
 
 
+def test_floor_descent_skips_only_swaps_that_cannot_lower_the_peak():
+    """NOTE [holding blocks at the peak]: on an 8-layer llama-tiny (meta costs), at the DP's plans near its least
+    budget and at the floor found, every swap the descent skips (a block holding its kept set through the peak given
+    an option keeping more bytes) simulates to a peak no lower, and the skips are most of the holding blocks'
+    swaps."""
+    from remat_plugin.planning.budget_search import _swap_option
+
+    bench = build("llama-tiny", n_layer=8, device="meta")
+    problem, constants = _meta_problem(bench)
+    planner = Planner(problem, constants)
+    planner.prepare()
+    least = planner.min_dp_budget()
+    candidates = [planner.try_budget(int(least * f)) for f in (1.0, 1.03, 1.1)]
+    candidates.append(lowest_peak(planner))
+    skipped = offered = 0
+    for schedule, sim, chain_plan in [c for c in candidates if c is not None]:
+        running, holding = planner.running_and_holding(chain_plan, sim)
+        if running is None:  # a peak in no block: the descent offers every block every option
+            continue
+        chosen = {a.block: a.option for a in chain_plan.actions if a.kind == "bwd"}
+        for k in holding:
+            menu = planner.menus[k]
+            for i, option in enumerate(menu):
+                if i == chosen[k]:
+                    continue
+                if option.kept_bytes < menu[chosen[k]].kept_bytes:
+                    offered += 1
+                    continue
+                skipped += 1
+                swapped = planner.evaluate(_swap_option(chain_plan, k, i))[1]
+                assert swapped.peak_bytes >= sim.peak_bytes, (k, i, swapped.peak_bytes, sim.peak_bytes)
+    assert skipped > offered, (skipped, offered)
+
+
 def test_block_menus_count_incoming_gradients():
     """NOTE [incoming gradients]: block problems carry the gradients later blocks hand them, freed at their last
     read, so on mlp-chain (float64) the chain DP at its least budget already lands on the lowest peak the whole

@@ -225,6 +225,14 @@ class Planner:
 
         Only these can lower that moment's memory by changing options (NOTE [chain memory model]).
         """
+        running, holding = self.running_and_holding(chain_plan, sim)
+        if running is None:
+            return holding
+        return sorted({running, *holding})
+
+    def running_and_holding(self, chain_plan: ChainPlan, sim: Simulation) -> tuple[int | None, list[int]]:
+        """At the simulated peak: the block running, and the blocks holding their kept sets through it.  Where the
+        peak is in no block (a constant op, the synthetic tangents op), ``(None, every block)``."""
         n_fwd = len(self.problem.fwd_ops)
         peak_at = max(range(len(sim.timeline_bytes)), key=sim.timeline_bytes.__getitem__)
         actions = list(chain_plan.actions)
@@ -236,15 +244,16 @@ class Planner:
             _, spans = self.assemble_spans(chain_plan)
             found = next((first_bwd + i for i, (s, e) in enumerate(spans) if s <= peak_at - n_fwd < e), None)
         if found is None:  # a constant op (in no block) or the synthetic tangents op: every block may count
-            return sorted({a.block for a in actions if a.kind == "bwd"})
+            return None, sorted({a.block for a in actions if a.kind == "bwd"})
         at = found
+        running = actions[at].block
         holding = []
         for i, a in enumerate(actions):
-            if a.kind == "fwd" and i <= at:
+            if a.kind == "fwd" and i <= at and a.block != running:
                 done = any(b.kind == "bwd" and b.block == a.block for b in actions[i + 1 : at])
                 if not done:
                     holding.append(a.block)
-        return sorted({actions[at].block, *holding})
+        return running, sorted(set(holding))
 
     def add_option(self, block: Block, option: BlockOption) -> int:
         """Give ``block`` and every block identical to it one more menu option; its index in their menus."""

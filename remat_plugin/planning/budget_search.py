@@ -136,9 +136,9 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0, n_starts: int = 2)
 #     running block every option.  (The bytes are the block's own: a value it keeps that the graph holds
 #     anyway changes nothing at the peak, so a skipped swap could in principle still lower it.)  On a
 #     16-layer llama-tiny the descent then converges within its time share instead of running into it: its
-#     floor search took 0.7-0.9 s instead of 2.0-2.3 s and ended 0.06-0.6% lower, in four captures; the floors
+#     floor search took 0.7-1.3 s instead of 2.0-2.3 s and ended 0.06-0.6% lower, in four captures; the floors
 #     of the bench models (gpt2-tiny at 4 and 12 layers in four captures, bert, llama, t5, mixtral, mlp-chain,
-#     resnet) were the same or lower.
+#     resnet) were the same or lower (ad hoc, 2026-11-30, the machine in its slow state; README "Planning time").
 def _descend_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],
                   time_budget_s: float) -> tuple[Schedule, Simulation, ChainPlan]:
     """Single-block option swaps kept while the simulated peak falls, over the blocks at the peak

@@ -1,6 +1,8 @@
 """The symbolic-capture benchmark times graphs a replay could use (reduced benchmark: one round, one layer)."""
 from __future__ import annotations
 
+import pytest
+
 from remat_plugin.bench.symbolic_capture import run
 
 
@@ -14,3 +16,9 @@ def test_symbolic_capture_times_symbolic_graphs_that_run_at_another_shape():
     assert result["second_shape"]["seq_len"] == 24
     assert result["exported_loss_equal"]
     assert result["joint_symbolic_placeholders"] > 0
+
+
+def test_symbolic_capture_refuses_a_model_without_a_sequence_length():
+    """An image classifier has no length to make symbolic: the error names the models that do."""
+    with pytest.raises(ValueError, match="no sequence length.*gpt2-tiny"):
+        run("resnet-tiny", 1)

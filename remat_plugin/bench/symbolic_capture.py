@@ -88,6 +88,9 @@ def _shape(bench, shorter: bool = False) -> dict:
 def run(model: str, repeats: int, **shape) -> dict:
     """Alternating static and symbolic rounds of both stages; medians, and the symbolic graphs checked."""
     bench = build(model, **shape)
+    if "seq_len" not in bench.meta:
+        raise ValueError(f"symbolic-capture: {model} has no sequence length to make symbolic; choose a language "
+                         "model such as gpt2-tiny")
     module = bench.module
     config = getattr(module, "config", None)
     if config is not None:

@@ -129,11 +129,11 @@ def test_floor_descent_skips_only_swaps_that_cannot_lower_the_peak():
     candidates.append(lowest_peak(planner))
     skipped = offered = 0
     for schedule, sim, chain_plan in [c for c in candidates if c is not None]:
-        running, holding = planner.running_and_holding(chain_plan, sim)
+        running, at_peak = planner.running_at_peak(chain_plan, sim)
         if running is None:  # a peak in no block: the descent offers every block every option
             continue
         chosen = {a.block: a.option for a in chain_plan.actions if a.kind == "bwd"}
-        for k in holding:
+        for k in (k for k in at_peak if k != running):  # the blocks holding their kept sets through the peak
             menu = planner.menus[k]
             for i, option in enumerate(menu):
                 if i == chosen[k]:

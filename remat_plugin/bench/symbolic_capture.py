@@ -64,7 +64,8 @@ def _timed(fn: Callable[[], object]) -> tuple[float, object]:
 def check_symbolic(model: str, bench, exported, joint: torch.fx.GraphModule) -> dict:
     """That the symbolic graphs are symbolic: the exported program runs at a shorter length with eager's loss, and the
     joint graph's placeholders carry symbolic sizes."""
-    other_args, other_kwargs = build(model, **_shape(bench, shorter=True)).make_batch(1)
+    second_shape = _shape(bench, shorter=True)
+    other_args, other_kwargs = build(model, **second_shape).make_batch(1)
     torch.manual_seed(0)
     got = bench.loss(exported.module()(*other_args, **other_kwargs))
     torch.manual_seed(0)
@@ -74,7 +75,7 @@ def check_symbolic(model: str, bench, exported, joint: torch.fx.GraphModule) -> 
         if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
         and any(isinstance(s, torch.SymInt) for s in n.meta["val"].shape)
     )
-    return {"second_shape": _shape(bench, shorter=True), "exported_loss_equal": bool(torch.equal(got, want)),
+    return {"second_shape": second_shape, "exported_loss_equal": bool(torch.equal(got, want)),
             "joint_symbolic_placeholders": sym_placeholders}
 
 
@@ -97,24 +98,23 @@ def run(model: str, repeats: int, **shape) -> dict:
         config.use_cache = False  # a training step's capture, as planning's
     args, kwargs = bench.make_batch(0)
     makers = {
-        ("export", False): _exporter(module, args, kwargs, False),
-        ("export", True): _exporter(module, args, kwargs, True),
-        ("joint trace", False): _joint_tracer(module, args, kwargs, bench.loss, False),
-        ("joint trace", True): _joint_tracer(module, args, kwargs, bench.loss, True),
+        "export, static": _exporter(module, args, kwargs, False),
+        "export, symbolic": _exporter(module, args, kwargs, True),
+        "joint trace, static": _joint_tracer(module, args, kwargs, bench.loss, False),
+        "joint trace, symbolic": _joint_tracer(module, args, kwargs, bench.loss, True),
     }
-    times: dict[tuple[str, bool], list[float]] = {key: [] for key in makers}
-    last: dict[tuple[str, bool], object] = {}
+    times: dict[str, list[float]] = {label: [] for label in makers}
+    last: dict[str, object] = {}
     for _ in range(repeats):
-        for key, make in makers.items():
-            seconds, last[key] = _timed(make)
-            times[key].append(seconds)
-    medians = {f"{stage}, {'symbolic' if sym else 'static'}": statistics.median(times[(stage, sym)])
-               for stage, sym in makers}
+        for label, make in makers.items():
+            seconds, last[label] = _timed(make)
+            times[label].append(seconds)
+    medians = {label: statistics.median(runs) for label, runs in times.items()}
     static = sum(medians[f"{s}, static"] for s in STAGES)
     symbolic = sum(medians[f"{s}, symbolic"] for s in STAGES)
-    checks = check_symbolic(model, bench, last[("export", True)], last[("joint trace", True)])  # type: ignore[arg-type]
+    checks = check_symbolic(model, bench, last["export, symbolic"], last["joint trace, symbolic"])  # type: ignore[arg-type]
     return {"model": model, "shape": _shape(bench), "torch": torch.__version__, "repeats": repeats,
-            "median_s": medians, "runs_s": {f"{s}, {'symbolic' if y else 'static'}": v for (s, y), v in times.items()},
+            "median_s": medians, "runs_s": times,
             "static_s": static, "symbolic_s": symbolic, "ratio": symbolic / static, **checks}
 
 

@@ -146,8 +146,8 @@ def _descend_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan]
     running: list[int | None] = [None]  # the block running at the incumbent's peak, read once per pass
 
     def blocks(c: tuple[Schedule, Simulation, ChainPlan]) -> list[int]:
-        running[0], holding = planner.running_and_holding(c[2], c[1])
-        return holding if running[0] is None else sorted({running[0], *holding})
+        running[0], at_peak = planner.running_at_peak(c[2], c[1])
+        return at_peak
 
     def options(k: int, o: int) -> list[int]:
         menu = planner.menus[k]

@@ -225,14 +225,11 @@ class Planner:
 
         Only these can lower that moment's memory by changing options (NOTE [chain memory model]).
         """
-        running, holding = self.running_and_holding(chain_plan, sim)
-        if running is None:
-            return holding
-        return sorted({running, *holding})
+        return self.running_at_peak(chain_plan, sim)[1]
 
-    def running_and_holding(self, chain_plan: ChainPlan, sim: Simulation) -> tuple[int | None, list[int]]:
-        """At the simulated peak: the block running, and the blocks holding their kept sets through it.  Where the
-        peak is in no block (a constant op, the synthetic tangents op), ``(None, every block)``."""
+    def running_at_peak(self, chain_plan: ChainPlan, sim: Simulation) -> tuple[int | None, list[int]]:
+        """The block running at the simulated peak (None where the peak is in no block: a constant op, the synthetic
+        tangents op), and :meth:`blocks_at_peak` (every block where none runs there)."""
         n_fwd = len(self.problem.fwd_ops)
         peak_at = max(range(len(sim.timeline_bytes)), key=sim.timeline_bytes.__getitem__)
         actions = list(chain_plan.actions)
@@ -246,14 +243,13 @@ class Planner:
         if found is None:  # a constant op (in no block) or the synthetic tangents op: every block may count
             return None, sorted({a.block for a in actions if a.kind == "bwd"})
         at = found
-        running = actions[at].block
         holding = []
         for i, a in enumerate(actions):
-            if a.kind == "fwd" and i <= at and a.block != running:
+            if a.kind == "fwd" and i <= at:
                 done = any(b.kind == "bwd" and b.block == a.block for b in actions[i + 1 : at])
                 if not done:
                     holding.append(a.block)
-        return running, sorted(set(holding))
+        return actions[at].block, sorted({actions[at].block, *holding})
 
     def add_option(self, block: Block, option: BlockOption) -> int:
         """Give ``block`` and every block identical to it one more menu option; its index in their menus."""

@@ -102,9 +102,9 @@ def test_a_call_asking_for_the_cache_falls_back_and_names_the_fix():
 def test_gqa_llama_without_a_mask_is_eager_within_the_last_bits():
     """The README's known limit, measured: a grouped-query Llama called without a padding mask traces a materialised
     causal mask (transformers builds it while tracing) where eager passes ``is_causal=True, enable_gqa=True``, so
-    the key/value projections' gradients differ from eager's in the last bits (at most 2e-15 of the largest
-    gradient, float64: below 5e-16 on the CPU this was found on, 5.7e-16 on another, whose kernels sum in another
-    order) while the loss is bitwise; with a padding mask the step is bitwise (the test above)."""
+    the key/value projections' gradients may differ from eager's in the last bits (at most 2e-15 of the largest
+    gradient, float64: below 5e-16 on the CPU this was found on, 5.7e-16 on another, bitwise equal on a third; it
+    depends on the kernels' summation order) while the loss is bitwise; with a padding mask the step is bitwise (the test above)."""
     ref, model = _model("llama"), _model("llama")
     disable_hf_cache(ref)
     ids = _batch(0)["input_ids"]
@@ -116,9 +116,11 @@ def test_gqa_llama_without_a_mask_is_eager_within_the_last_bits():
     theirs.backward()
     assert torch.equal(ours, theirs)
     mine, oracle = _grads(model), _grads(ref)
+    # Whether any gradient differs at all depends on the CPU's summation order (bitwise equal on some machines of
+    # this kind): the test bounds the difference and never requires one.
     differ = {name for name in oracle if not torch.equal(mine[name], oracle[name])}
-    assert differ and all(n.endswith(("k_proj.weight", "v_proj.weight", "input_layernorm.weight")) for n in differ)
-    for name in differ:
+    assert all(n.endswith(("k_proj.weight", "v_proj.weight", "input_layernorm.weight")) for n in differ), differ
+    for name in oracle:
         assert (mine[name] - oracle[name]).abs().max() <= 2e-15 * oracle[name].abs().max(), name
 
 

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--seq-bucket", help="how sequence lengths round up into plan buckets: pow2 (default), a "
                                              "multiple such as 64, or exact")
     launch.add_argument("--cache-dir", help="also keep plans in this directory, for later runs of the same model")
-    launch.add_argument("--ilp-time-limit-s", type=float, help=f"time cap of each block ILP solve, seconds (default {DEFAULT_ILP_TIME_LIMIT_S})")
+    launch.add_argument("--ilp-time-limit-s", type=float, help=f"wall-clock safety net of each block ILP solve, seconds (default {DEFAULT_ILP_TIME_LIMIT_S}; solves stop on counts of work first)")
     return parser
 
 

@@ -43,7 +43,7 @@ def add_plan_parser(commands) -> None:
     p.add_argument("--device", choices=["cpu", "cuda", "meta"], default="cpu",
                    help="where to capture and cost the model; meta allocates nothing and estimates op times")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32")
-    p.add_argument("--ilp-time-limit-s", type=float, default=DEFAULT_ILP_TIME_LIMIT_S, help="time cap of each block ILP solve")
+    p.add_argument("--ilp-time-limit-s", type=float, default=DEFAULT_ILP_TIME_LIMIT_S, help="wall-clock safety net of each block ILP solve, seconds (solves stop on counts of work first)")
     p.add_argument("--json", metavar="PATH", help="write the plan (with its memory timeline) to PATH")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 

@@ -68,6 +68,9 @@ class Plan:
     # (op, bytes) of the ops that had kernel scratch when planned (NOTE [temporary memory]): measured again where the
     # plan is replayed on other shapes, so the simulator's check there includes their scratch.
     scratch_ops: tuple[tuple[str, int], ...] = ()
+    # False where a search stopped at a wall-clock safety net instead of its work limit (NOTE [work, not time] in
+    # remat_plugin.planning.solvers.pulp_backend): the same problem may then be planned otherwise in another process.
+    reproducible: bool = True
 
     @property
     def refuses_holding(self) -> bool:
@@ -117,6 +120,7 @@ class Plan:
             (
                 f"predicted overhead {self.predicted_overhead:.3f}x  blocks {len(self.blocks)}"
                 f" ({self.n_unique_blocks} unique)  planned in {self.planning_s:.1f} s"
+                + ("" if self.reproducible else "  NOT REPRODUCIBLE (a search reached its time limit)")
             ),
             f"{'block':>5} {'fwd ops':>7} {'mode':>10} {'kept':>12} {'recomputed':>10} {'recompute ms':>12}",
         ]

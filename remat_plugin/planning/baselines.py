@@ -179,7 +179,7 @@ def checkmate_solve(
     if simulate_within(problem, keep_all, budget_bytes) is not None:
         return CheckmateResult(keep_all, True, "keep_all", 0.0)
     ilp = BlockIlp.build(problem, solver) if ilp is None else ilp
-    found = ilp.solve(budget_bytes, None, time_limit_s, gap_rel=_gap(gap_rel))
+    found = ilp.solve(budget_bytes, None, time_limit_s, gap_rel=_gap(gap_rel), to_optimality=True)
     if found is None:
         infeasible = ilp.status == "infeasible"
         return CheckmateResult(None, infeasible, "infeasible" if infeasible else "none", None)
@@ -196,7 +196,7 @@ def checkmate_min_peak(
     """Least simulated peak the whole-graph ILP reaches (any recompute time), and whether it was proved optimal."""
     ilp = BlockIlp.build(problem, solver)
     big = simulate(problem, Schedule.keep_all(problem)).peak_bytes * 4 + sum(v.size_bytes for v in problem.values) + 1
-    found = ilp.solve(big, None, time_limit_s, objective="peak", gap_rel=_gap(gap_rel))
+    found = ilp.solve(big, None, time_limit_s, objective="peak", gap_rel=_gap(gap_rel), to_optimality=True)
     if found is None:
         raise RuntimeError("checkmate_min_peak: the whole-graph ILP found no schedule")
     optimal = found[1] is not None and ilp.status == "optimal"

@@ -3,11 +3,15 @@
 The chain DP rounds sizes up and sees blocks alone, so its own budget is only a knob:
 these functions turn it, swap single blocks' options, and weigh the classical schedules,
 keeping the fastest schedule whose simulated peak fits.
+
+Every search here is bounded by work, counted in simulated op positions (NOTE [work, not time] in
+:mod:`remat_plugin.planning.solvers.pulp_backend`): the same problem gives the same plan at any load.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from remat_plugin.ir.problem import Schedule
 from remat_plugin.ir.simulate import Simulation
@@ -17,6 +21,39 @@ from remat_plugin.planning.solvers.ilp import block_option
 from remat_plugin.planning.solvers.kept_paths import single_drop_schedules
 
 ScheduleCandidate = tuple[Schedule, Simulation, ChainPlan | None]  # a schedule, its simulation, its chain plan
+
+# A search's allowance, in op positions simulated (Planner.simulated_ops): about 1-2 s of this CPU's simulator on
+# a 4-layer GPT-2.  Schedules already simulated in a search cost nothing again.
+SEARCH_WORK = 1_000_000
+# The wall-clock safety net of one search: reaching it marks the plan not reproducible, with a warning.
+SEARCH_SAFETY_NET_S = 60.0
+
+
+@dataclass
+class Allowance:
+    """How much more a search may simulate; the clock is only a safety net (NOTE [work, not time])."""
+
+    planner: Planner
+    until_ops: int
+    deadline: float
+    what: str
+
+    @classmethod
+    def of(cls, planner: Planner, work: int, what: str, safety_net_s: float = SEARCH_SAFETY_NET_S) -> Allowance:
+        return cls(planner, planner.simulated_ops + work, time.perf_counter() + safety_net_s, what)
+
+    def share(self, parts: int) -> Allowance:
+        """``1/parts`` of what is left, under the same safety net."""
+        left = max(0, self.until_ops - self.planner.simulated_ops)
+        return Allowance(self.planner, self.planner.simulated_ops + left // max(1, parts), self.deadline, self.what)
+
+    def spent(self) -> bool:
+        if self.planner.simulated_ops >= self.until_ops:
+            return True
+        if time.perf_counter() > self.deadline:
+            self.planner.reached_safety_net(f"the {self.what} reached its wall-clock safety net")
+            return True
+        return False
 
 
 def fastest_fitting(planner: Planner, budget_bytes: int) -> tuple[Schedule, Simulation, ChainPlan] | None:
@@ -74,7 +111,7 @@ def _swap_option(cp: ChainPlan, block: int, option: int) -> ChainPlan:
     return ChainPlan(actions, cp.time_ms, cp.peak_bytes)
 
 
-def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float = 2.0,
+def hill_climb(planner: Planner, budget_bytes: int, best, work: int = SEARCH_WORK,
                fits: Callable[[Simulation], bool] | None = None):
     """Greedy polish judged by the simulator: move single blocks to faster menu options while the peak fits.
 
@@ -91,10 +128,11 @@ def hill_climb(planner: Planner, budget_bytes: int, best, time_budget_s: float =
         return sorted((i for i in range(len(menu)) if menu[i].bwd_ms < menu[o].bwd_ms), key=lambda i: menu[i].bwd_ms)
 
     return _swap_descent(planner, best, _bwd_blocks, faster,
-                         lambda sim, incumbent: fits(sim) and sim.time_ms < incumbent.time_ms, time_budget_s)
+                         lambda sim, incumbent: fits(sim) and sim.time_ms < incumbent.time_ms,
+                         Allowance.of(planner, work, "climb to faster options"))
 
 
-def lowest_peak(planner: Planner, time_budget_s: float = 2.0, n_starts: int = 2):
+def lowest_peak(planner: Planner, work: int = SEARCH_WORK, n_starts: int = 2):
     """The schedule with the lowest simulated peak we can find: the smallest feasible budget we report.
 
     The chain DP at its least budget minimises rounded, block-local sizes, which is not the
@@ -115,16 +153,15 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0, n_starts: int = 2)
         starts.setdefault(planner.lowest[0].bwd_sequence, planner.lowest)
     if not starts:
         return None
-    deadline = time.perf_counter() + time_budget_s
+    allowance = Allowance.of(planner, work, "floor search")
     ordered = sorted(starts.values(), key=lambda c: c[1].peak_bytes)[:n_starts]
     best = None
     for i, start in enumerate(ordered):
-        share = max(0.0, deadline - time.perf_counter()) / (len(ordered) - i + 1)  # the widening below gets a share
-        found = _descend_peak(planner, start, share)
+        found = _descend_peak(planner, start, allowance.share(len(ordered) - i + 1))  # the widening gets a share
         if best is None or found[1].peak_bytes < best[1].peak_bytes:
             best = found
     assert best is not None
-    best = _widen_at_peak(planner, best, deadline)
+    best = _widen_at_peak(planner, best, allowance)
     planner.lowest = best
     return best
 
@@ -140,7 +177,7 @@ def lowest_peak(planner: Planner, time_budget_s: float = 2.0, n_starts: int = 2)
 #     of the bench models (gpt2-tiny at 4 and 12 layers in four captures, bert, llama, t5, mixtral, mlp-chain,
 #     resnet) were the same or lower (ad hoc, 2026-11-30, the machine in its slow state; README "Planning time").
 def _descend_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],
-                  time_budget_s: float) -> tuple[Schedule, Simulation, ChainPlan]:
+                  allowance: Allowance) -> tuple[Schedule, Simulation, ChainPlan]:
     """Single-block option swaps kept while the simulated peak falls, over the blocks at the peak
     (NOTE [holding blocks at the peak])."""
     running: list[int | None] = [None]  # the block running at the incumbent's peak, read once per pass
@@ -156,7 +193,7 @@ def _descend_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan]
         return [i for i in range(len(menu)) if menu[i].kept_bytes < menu[o].kept_bytes]
 
     return _swap_descent(planner, best, blocks, options,
-                         lambda sim, incumbent: sim.peak_bytes < incumbent.peak_bytes, time_budget_s)
+                         lambda sim, incumbent: sim.peak_bytes < incumbent.peak_bytes, allowance)
 
 
 # NOTE [options the menus lack]
@@ -169,7 +206,7 @@ def _descend_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan]
 #     measured op times, was the menus not counting the gradients later blocks hand a block: NOTE
 #     [incoming gradients].)
 def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],
-                   deadline: float) -> tuple[Schedule, Simulation, ChainPlan]:
+                   allowance: Allowance) -> tuple[Schedule, Simulation, ChainPlan]:
     """Options outside the menus (:func:`single_drop_schedules`) for the blocks at the peak, each kept where the
     whole-graph peak falls, then another descent (NOTE [options the menus lack])."""
     tried: set[tuple[int, Schedule]] = set()
@@ -179,7 +216,7 @@ def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan
             block = planner.blocks[k]
             known = {o.schedule for o in planner.menus[k]}
             for schedule in single_drop_schedules(block.problem):
-                if time.perf_counter() > deadline:
+                if allowance.spent():
                     return best
                 if schedule in known or (k, schedule) in tried:
                     continue
@@ -195,10 +232,10 @@ def _widen_at_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan
                 break
         if found is None:
             return best
-        best = _descend_peak(planner, found, max(0.0, deadline - time.perf_counter()))
+        best = _descend_peak(planner, found, allowance)
 
 
-def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> ScheduleCandidate | None:
+def lowest_chained(planner: Planner, calls: int, work: int = SEARCH_WORK) -> ScheduleCandidate | None:
     """The schedule lowest in ``(calls - 1) * kept + peak`` (then fastest): the step's peak when ``calls``
     copies of this graph run one after another, as the layers of an FSDP model do (NOTE [FSDP2 budget]).
 
@@ -215,10 +252,10 @@ def lowest_chained(planner: Planner, calls: int, time_budget_s: float = 2.0) -> 
     if not starts:
         return None
     best = min(starts, key=lambda c: cost(c[1]))
-    return _descend(planner, best, cost, _bwd_blocks, time_budget_s)
+    return _descend(planner, best, cost, _bwd_blocks, Allowance.of(planner, work, "chained descent"))
 
 
-def _descend(planner: Planner, best, cost: Callable[[Simulation], object], blocks: Callable, time_budget_s: float):
+def _descend(planner: Planner, best, cost: Callable[[Simulation], object], blocks: Callable, allowance: Allowance):
     """Single-block option swaps judged by the simulator, kept while ``cost`` falls: every other option of each of
     ``blocks(best)``."""
     def others(k: int, o: int) -> list[int]:
@@ -226,7 +263,7 @@ def _descend(planner: Planner, best, cost: Callable[[Simulation], object], block
 
     return _swap_descent(planner, best, blocks, others,
                          lambda sim, incumbent: cost(sim) < cost(incumbent),  # type: ignore[operator]
-                         time_budget_s)
+                         allowance)
 
 
 def _bwd_blocks(candidate: ScheduleCandidate) -> list[int]:
@@ -236,13 +273,13 @@ def _bwd_blocks(candidate: ScheduleCandidate) -> list[int]:
 
 
 def _swap_descent(planner: Planner, best, blocks: Callable, options: Callable[[int, int], list[int]],
-                  better: Callable[[Simulation, Simulation], bool], time_budget_s: float):
+                  better: Callable[[Simulation, Simulation], bool], allowance: Allowance):
     """The swap loop of :func:`hill_climb` and :func:`_descend`: each pass tries, for each of ``blocks(best)``, its
     ``options(block, chosen option)`` in order, keeps the first swap whose simulation is ``better`` than the
-    incumbent's and moves on to the next block; passes repeat until one gains nothing or time runs out."""
-    deadline = time.perf_counter() + time_budget_s
+    incumbent's and moves on to the next block; passes repeat until one gains nothing or the allowance is spent
+    (checked after each block, so a pass is cut at the same place on any machine)."""
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and not allowance.spent():
         improved = False
         chosen = {a.block: a.option for a in best[2].actions if a.kind == "bwd"}
         for k in blocks(best):
@@ -252,13 +289,13 @@ def _swap_descent(planner: Planner, best, blocks: Callable, options: Callable[[i
                 if better(sim, best[1]):
                     best, improved = (sched, sim, cp), True
                     break
-            if time.perf_counter() > deadline:
+            if allowance.spent():
                 break
     return best
 
 
 def fastest_chained(planner: Planner, fits: Callable[[Simulation], bool], start: ScheduleCandidate,
-                    time_budget_s: float = 2.0) -> ScheduleCandidate:
+                    work: int = SEARCH_WORK) -> ScheduleCandidate:
     """The fastest schedule ``fits`` accepts, ``start`` (accepted) if none is faster: a test on kept bytes
     and peak together, as a chain of FSDP units needs (NOTE [FSDP2 budget]), which no single DP budget
     expresses.  Candidates: the DP at budgets from its least to 4x that, then :func:`hill_climb`."""
@@ -268,4 +305,4 @@ def fastest_chained(planner: Planner, fits: Callable[[Simulation], bool], start:
         found = planner.try_budget(int(least * 2 ** (k / 8)))
         if found is not None and fits(found[1]) and found[1].time_ms < best[1].time_ms:
             best = found
-    return hill_climb(planner, 0, best, time_budget_s, fits=fits) if best[2] is not None else best
+    return hill_climb(planner, 0, best, work, fits=fits) if best[2] is not None else best

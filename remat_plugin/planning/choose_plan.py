@@ -17,6 +17,7 @@ from remat_plugin.ir.problem import Problem, Schedule
 from remat_plugin.ir.simulate import Simulation, simulate
 from remat_plugin.planning.baselines import rotor_schedule, sqrt_n_schedule
 from remat_plugin.planning.budget_search import (
+    SEARCH_WORK,
     ScheduleCandidate,
     fastest_chained,
     fastest_fitting,
@@ -135,7 +136,7 @@ def _search(problem: Problem, constants: set[str], planner: Planner, base: Simul
         if floor is not None and floor[1].peak_bytes <= budget_bytes:
             # The climb from the lowest-peak schedule can end faster than the one from the DP's pick
             # (the DP rounds sizes; each climb stops at a local optimum).
-            chosen = _faster(chosen, hill_climb(planner, budget_bytes, floor, time_budget_s=0.5))
+            chosen = _faster(chosen, hill_climb(planner, budget_bytes, floor, work=SEARCH_WORK // 4))
         for found in planner.fitting(budget_bytes):  # what searches at other budgets found
             chosen = _faster(chosen, found)
         chosen = portfolio(problem, constants, planner, budget_bytes, chosen)
@@ -168,6 +169,7 @@ def _as_plan(planner: Planner, base, chosen: ScheduleCandidate, user_budget_byte
         schedule=schedule.bwd_sequence,
         notes=tuple(planner.notes),
         planning_stages=stages,
+        reproducible=not planner.safety_net_hits,
     )
     log.debug("remat_plugin: planned %d blocks (%d unique): predicted peak %s of budget %s (margin %s), overhead %.3fx",
              len(blocks), planner.n_unique, human_bytes(sim.peak_bytes), human_bytes(user_budget_bytes),

@@ -29,7 +29,7 @@ from remat_plugin.planning.solvers.chain import (
     solve_chain,
 )
 from remat_plugin.planning.solvers.greedy_menu import greedy_menu
-from remat_plugin.planning.solvers.ilp import BlockOption, block_menu, block_option, pareto
+from remat_plugin.planning.solvers.ilp import BlockIlp, BlockOption, block_menu, block_option, pareto
 from remat_plugin.planning.solvers.kept_paths import kept_path_menu
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,12 @@ log = logging.getLogger(__name__)
 #     greedy.greedy_menu instead (every option checked by the simulator), and the plan says so.
 MAX_ILP_FWD_OPS = 120
 
-# Each block ILP solve's time cap.  Solves that find no integer solution fall back to a rounded LP
-# relaxation (checked by the simulator).  A block's menu solves its ILP twice (its least peak, then the least
-# recompute there); the rest of the menu comes from kept paths (NOTE [kept paths]).
-DEFAULT_ILP_TIME_LIMIT_S = 0.25
+# Each block ILP solve's wall-clock safety net: solves stop on counts of work (NOTE [work, not time] in
+# solvers.pulp_backend), and one that reaches this instead makes the plan not reproducible, with a warning.  Solves
+# that find no integer solution fall back to a rounded LP relaxation (checked by the simulator).  A block's menu
+# solves its ILP twice per extreme (its least peak or kept bytes, then the least recompute there); the rest of the
+# menu comes from kept paths (NOTE [kept paths]).
+DEFAULT_ILP_TIME_LIMIT_S = 10.0
 
 
 def _moved(option: BlockOption, source: Block, target: Block) -> BlockOption:
@@ -73,6 +75,10 @@ class Planner:
     solved_keys: set[tuple] = field(default_factory=set)  # unique blocks whose menu was solved here
     chosen: list[tuple[Schedule, Simulation, ChainPlan]] = field(default_factory=list)  # plans made, see remember
     notes: list[str] = field(default_factory=list)  # for Plan.notes
+    # Searches stopped by a wall-clock safety net instead of their work limits (NOTE [work, not time]): what this
+    # planner found may differ in another process, and every plan it makes says so (Plan.reproducible).
+    safety_net_hits: list[str] = field(default_factory=list)
+    simulated_ops: int = 0  # op positions simulated by evaluate: the searches' measure of work
     # (kind, block, option) -> that action's ops; menus only grow, so an action's ops never change
     _fragments: dict[tuple[str, int, int], tuple[str, ...]] = field(default_factory=dict, repr=False)
     # backward sequence -> (schedule, simulation), while a search runs (see evaluate)
@@ -96,8 +102,11 @@ class Planner:
                 return transferred_menu(*source, b)
             if len(b.fwd_ops) > MAX_ILP_FWD_OPS:
                 return greedy_menu(b.problem)
+            ilp = BlockIlp.build(b.problem)
             lowest = block_menu(b.problem, n_peak=1, n_kept=1, time_limit_s=self.ilp_time_limit_s,
-                                extremes=("kept", "peak"))
+                                extremes=("kept", "peak"), ilp=ilp)
+            if ilp.timed_out:
+                self.reached_safety_net(f"block {b.index}'s ILP reached its {self.ilp_time_limit_s:g} s time limit")
             return pareto([*kept_path_menu(b.problem), *lowest])
 
         # HiGHS releases the GIL while it solves: unique blocks' menus are solved side by side, the
@@ -214,7 +223,15 @@ class Planner:
         found = self._evaluated.get(sched.bwd_sequence)
         if found is None:
             found = self._evaluated[sched.bwd_sequence] = (sched, simulate(self.problem, sched))
+            self.simulated_ops += len(found[1].timeline_bytes)
         return found
+
+    def reached_safety_net(self, what: str) -> None:
+        """A search stopped by a clock, not by its work limit: say so once and mark the plans made here."""
+        if not self.safety_net_hits:
+            log.warning("remat_plugin: %s before its work limit; the plan may differ in another process (its JSON "
+                        "says reproducible: false)", what)
+        self.safety_net_hits.append(what)
 
     def end_search(self) -> None:
         """Drop the simulations :meth:`evaluate` kept (each holds a timeline as long as the step)."""

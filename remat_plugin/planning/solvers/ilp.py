@@ -93,6 +93,7 @@ class BlockIlp:
         self.kept = self.prob.add_variable("kept_units", lowBound=0)
         self.columns: list[pulp.LpVariable] = []  # the variables in one fixed order (a Solution's order)
         self.status = "none"  # the last solve's outcome: see pulp_backend.Outcome
+        self.timed_out = False  # some solve reached its time limit, the safety net (NOTE [work, not time])
         self.objective_value: float | None = None
         self._highs: pulp_backend.PersistentHighs | None = None
 
@@ -318,14 +319,17 @@ class BlockIlp:
         warm: Solution | None = None,
         objective: str = "recompute",
         gap_rel: float = pulp_backend.DEFAULT_GAP_REL,
+        to_optimality: bool = False,
     ) -> tuple[Schedule, Solution | None] | None:
         """A simulator-checked schedule within the budgets (ILP, else rounded LP relaxation), or None.
 
         ``gap_rel``: the MILP relative gap accepted as optimal (0 asks for a proof of optimality).
+        ``to_optimality``: search until the gap or the time limit, not only the planner's counts of work
+        (NOTE [work, not time]); for the baselines that measure how far a plan is from the optimum.
         """
         self.set_budgets(peak_budget_bytes, kept_budget_bytes)
         goal = {"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective]
-        if self._run(goal, time_limit_s, warm, gap_rel):
+        if self._run(goal, time_limit_s, warm, gap_rel, not to_optimality):
             schedule = self.schedule_from_values()
             if simulate_within(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:
                 return schedule, np.round([v.varValue or 0.0 for v in self.columns])
@@ -336,22 +340,27 @@ class BlockIlp:
             return None
         return self._round_relaxation(peak_budget_bytes, kept_budget_bytes, time_limit_s)
 
-    def _run(self, goal: pulp.LpAffineExpression, time_limit_s: float, warm: Solution | None, gap_rel: float) -> bool:
+    def _run(self, goal: pulp.LpAffineExpression, time_limit_s: float, warm: Solution | None, gap_rel: float,
+             work_limited: bool) -> bool:
         """One MILP solve; True iff the variables now hold an optimal or integer-feasible solution."""
         self.prob.setObjective(goal)  # also the objective of a later _round_relaxation
         if self.solver == "highs":
             if self._highs is None:
                 self._highs = pulp_backend.PersistentHighs(self.prob)
                 assert self._highs.columns == self.columns
-            outcome = self._highs.solve(goal, ("peak_budget", "kept_budget"), time_limit_s, gap_rel, warm)
+            outcome = self._highs.solve(goal, ("peak_budget", "kept_budget"), time_limit_s, gap_rel, warm,
+                                        work_limited)
             self.status, self.objective_value = outcome.status, outcome.objective
+            self.timed_out |= outcome.timed_out
             if outcome.values is not None:
                 self._highs.assign(outcome.values)
             return outcome.values is not None
         if warm is not None:
             for var, x in zip(self.columns, warm.tolist()):
                 var.varValue = x
-        usable = pulp_backend.solve(self.prob, self.solver, time_limit_s, warm_start=warm is not None, gap_rel=gap_rel)
+        usable, timed_out = pulp_backend.solve(self.prob, self.solver, time_limit_s, warm_start=warm is not None,
+                                               gap_rel=gap_rel, work_limited=work_limited)
+        self.timed_out |= timed_out
         self.status = ("optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "feasible") if usable else (
             "infeasible" if self.prob.status == pulp.LpStatusInfeasible else "none")
         self.objective_value = pulp.value(goal) if usable else None
@@ -361,7 +370,9 @@ class BlockIlp:
         self, peak_budget_bytes: int, kept_budget_bytes: int | None, time_limit_s: float
     ) -> tuple[Schedule, Solution | None] | None:
         """Checkmate's fallback: solve the LP relaxation, round R and S[0], repair by recompute-on-demand."""
-        if not pulp_backend.solve(self.prob, self.solver, time_limit_s, mip=False):
+        usable, timed_out = pulp_backend.solve(self.prob, self.solver, time_limit_s, mip=False)
+        self.timed_out |= timed_out
+        if not usable:
             return None
         forced = must_keep(self.problem)
         candidates = []
@@ -385,7 +396,7 @@ class BlockIlp:
         ]
         if not fitting:
             return None
-        logger.info("remat_plugin.planning: using a rounded LP relaxation (no integer solution in %.1f s)", time_limit_s)
+        logger.info("remat_plugin.planning: using a rounded LP relaxation (the MILP found no integer solution)")
         return min(fitting, key=lambda x: x[0])[1], None
 
 

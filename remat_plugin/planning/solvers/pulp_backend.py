@@ -15,11 +15,30 @@ NOTE [HiGHS pitfalls]
       Python per block ILP of 40K rows, holding the GIL, so threads solving other blocks
       wait.  A block menu solves one model 5-25 times with only two bounds and the
       objective changed: :class:`PersistentHighs` passes the model once and re-solves it.
+
+NOTE [work, not time]
+    A solve stopped by a clock returns whatever it had found by then, so the same block gave
+    another schedule on a busier machine, and the plan changed with the load.  Every MIP solve
+    here stops on counts instead, on one thread, so the same model gives the same answer on any
+    machine at any load (models under :data:`MIP_LIMITED_COLUMNS` columns are solved to the gap):
+    * :data:`MIP_MAX_IMPROVING_SOLUTIONS` improving solutions (a warm start is one);
+    * a number of branch-and-bound nodes that shrinks as the model grows (:func:`max_nodes`);
+    * :data:`MIP_MAX_CHECKS` of HiGHS's own limit checks made with a solution in hand
+      (:class:`_CheckCount`): the root's cut rounds, which no node limit bounds.
+    HiGHS's simplex iteration limit does not bound a MIP's LPs, and its callbacks report no LP
+    iterations.  Measured on meta-costed problems at 4 x 512 (ad hoc): a GPT-2 layer's least-peak
+    ILP spent 3 s in its root; a Llama layer's warm-started least-recompute ILP (3,668 columns)
+    0.36 s a node and 7 s for 5 nodes, 1.7 s with the check limit.  Planning then took
+    1.2-4.3 s on gpt2, llama and bert at 0.45 and 0.7 of their peaks, at the same predicted times
+    as the 0.25 s-capped solves and floors up to 5% lower.
+    The caller's time limit stays as a safety net only: a solve that reaches it says so
+    (``Outcome.timed_out``), and the planner marks the plan not reproducible.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from functools import cache
 
@@ -29,6 +48,14 @@ import pulp
 logger = logging.getLogger(__name__)
 
 THREADS = 1  # the same everywhere: see NOTE [HiGHS pitfalls]
+MIP_MAX_IMPROVING_SOLUTIONS = 3  # NOTE [work, not time]
+MIP_NODE_WORK = 20_000  # branch-and-bound nodes x columns a solve may explore: a node's LP grows with the model
+MIP_NODES = (2, 50)  # the fewest and most nodes, whatever the model's size
+MIP_MAX_CHECKS = 20  # HiGHS's limit checks with a solution in hand (_CheckCount)
+# Smaller models are solved to the gap: quick anyway, and their first solutions can be far from the optimum (a
+# 59-column diamond block: 7 ms of recompute at its third solution, 6 at the optimum).
+MIP_LIMITED_COLUMNS = 300
+_HIGHS_NO_LIMIT = 2**31 - 1  # HiGHS's default for both counts
 DEFAULT_GAP_REL = 0.01  # accept solutions proved within 1 % of optimal
 SOLVER_NAMES = ("highs", "cbc")
 _USABLE = (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -79,9 +106,22 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc,valid-type]
         super().callSolver(lp)
 
 
+def max_nodes(n_columns: int) -> int:
+    """The branch-and-bound nodes a work-limited solve of a model with ``n_columns`` variables may explore."""
+    return min(MIP_NODES[1], max(MIP_NODES[0], MIP_NODE_WORK // max(1, n_columns)))
+
+
+def _work_limits(work_limited: bool, n_columns: int) -> dict[str, int]:
+    """HiGHS's options for NOTE [work, not time]; without them, its own defaults (no limit)."""
+    if not work_limited or n_columns < MIP_LIMITED_COLUMNS:
+        return {"mip_max_improving_sols": _HIGHS_NO_LIMIT, "mip_max_nodes": _HIGHS_NO_LIMIT}
+    return {"mip_max_improving_sols": MIP_MAX_IMPROVING_SOLUTIONS, "mip_max_nodes": max_nodes(n_columns)}
+
+
 def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False,
-                gap_rel: float = DEFAULT_GAP_REL) -> pulp.LpSolver:
-    """A configured PuLP solver; ``name`` is one of :data:`SOLVER_NAMES`; ``gap_rel`` 0 asks for a proof of optimality."""
+                gap_rel: float = DEFAULT_GAP_REL, work_limited: bool = True, n_columns: int = 0) -> pulp.LpSolver:
+    """A configured PuLP solver; ``name`` is one of :data:`SOLVER_NAMES`; ``gap_rel`` 0 asks for a proof of optimality;
+    ``work_limited``: see :meth:`PersistentHighs.solve`; ``n_columns``: the model's variables (:func:`max_nodes`)."""
     if name == "highs":
         if not pulp.HiGHS().available():
             raise SolverUnavailableError(
@@ -94,6 +134,7 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
             gapRel=gap_rel,
             threads=THREADS,
             timeLimit=time_limit_s,
+            **_work_limits(work_limited, n_columns),
         )
     if name == "cbc":
         return pulp.PULP_CBC_CMD(
@@ -103,19 +144,24 @@ def make_solver(name: str, time_limit_s: float, mip: bool = True, warm_start: bo
             threads=THREADS,
             timeLimit=time_limit_s,
             warmStart=warm_start and mip,
+            maxNodes=max_nodes(n_columns) if work_limited else None,
+            options=[f"maxSolutions {MIP_MAX_IMPROVING_SOLUTIONS}"] if work_limited else None,
         )
     raise ValueError(f"remat_plugin.planning: unknown solver {name!r}; use one of {SOLVER_NAMES}")
 
 
 def solve(prob: pulp.LpProblem, name: str, time_limit_s: float, mip: bool = True, warm_start: bool = False,
-          gap_rel: float = DEFAULT_GAP_REL) -> bool:
-    """Run the solver on ``prob``; True iff it left an optimal or integer-feasible solution in the variables."""
+          gap_rel: float = DEFAULT_GAP_REL, work_limited: bool = True) -> tuple[bool, bool]:
+    """Run the solver on ``prob``: (whether it left an optimal or integer-feasible solution in the variables,
+    whether it ran into ``time_limit_s``, the safety net of NOTE [work, not time])."""
+    started = time.perf_counter()
     try:
-        prob.solve(make_solver(name, time_limit_s, mip=mip, warm_start=warm_start, gap_rel=gap_rel))
+        prob.solve(make_solver(name, time_limit_s, mip=mip, warm_start=warm_start, gap_rel=gap_rel,
+                               work_limited=work_limited, n_columns=len(prob.variables())))
     except pulp.PulpSolverError as err:
         logger.warning("remat_plugin.planning: %s failed on %s: %s", name, prob.name, err)
-        return False
-    return prob.sol_status in _USABLE
+        return False, False
+    return prob.sol_status in _USABLE, time.perf_counter() - started >= time_limit_s
 
 
 @dataclass(frozen=True)
@@ -126,6 +172,23 @@ class Outcome:
     status: str
     values: np.ndarray | None
     objective: float | None
+    timed_out: bool = False  # stopped by the time limit, the safety net (NOTE [work, not time])
+
+
+class _CheckCount:
+    """HiGHS's MIP interrupt callback: it stops the search at the ``limit``-th limit check made with a solution in
+    hand.  HiGHS checks its limits at fixed places of its search (each round of root cuts, each node), so this
+    bounds the root's work as the node limit cannot (NOTE [work, not time])."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.seen = limit, 0
+
+    def __call__(self, event) -> None:
+        if self.limit is None or event.data_out.mip_primal_bound == float("inf"):
+            return
+        self.seen += 1
+        if self.seen >= self.limit:
+            event.data_in.user_interrupt = True
 
 
 class PersistentHighs:
@@ -175,8 +238,9 @@ class PersistentHighs:
         self.highs.passModel(lp)
 
     def solve(self, objective: pulp.LpAffineExpression, rows: tuple[str, ...], time_limit_s: float,
-              gap_rel: float = DEFAULT_GAP_REL, warm: np.ndarray | None = None) -> Outcome:
-        """Minimise ``objective`` after re-reading the bounds of ``rows``; ``warm``: a MIP start by column."""
+              gap_rel: float = DEFAULT_GAP_REL, warm: np.ndarray | None = None, work_limited: bool = True) -> Outcome:
+        """Minimise ``objective`` after re-reading the bounds of ``rows``; ``warm``: a MIP start by column;
+        ``work_limited``: stop at the counts of NOTE [work, not time] (False: only at the gap or the time limit)."""
         hs, h = self._highspy, self.highs
         for name in rows:
             i = self.row_of[name]
@@ -188,22 +252,30 @@ class PersistentHighs:
         h.changeColsCost(len(cost), np.arange(len(cost), dtype=np.int32), cost)
         h.setOptionValue("time_limit", float(time_limit_s))
         h.setOptionValue("mip_rel_gap", float(gap_rel))
+        for option, limit in _work_limits(work_limited, len(self.columns)).items():
+            h.setOptionValue(option, limit)
         h.clearSolver()  # nothing carried over from the last solve but what ``warm`` gives
         if warm is not None:
             start = hs.HighsSolution()
             start.col_value = [float(x) for x in warm]
             start.value_valid = True
             h.setSolution(start)
-        h.run()
+        checks = _CheckCount(MIP_MAX_CHECKS if work_limited and len(self.columns) >= MIP_LIMITED_COLUMNS else None)
+        h.cbMipInterrupt.subscribe(checks)
+        try:
+            h.run()
+        finally:
+            h.cbMipInterrupt.unsubscribe(checks)
         model_status = h.getModelStatus()
+        timed_out = model_status == hs.HighsModelStatus.kTimeLimit
         if model_status in (hs.HighsModelStatus.kInfeasible, hs.HighsModelStatus.kUnboundedOrInfeasible):
             return Outcome("infeasible", None, None)
         info = h.getInfo()
         if info.primal_solution_status != 2:  # 2 = kSolutionStatusFeasible: there is a solution to read
-            return Outcome("none", None, None)
+            return Outcome("none", None, None, timed_out)
         values = np.array(h.getSolution().col_value)
         status = "optimal" if model_status == hs.HighsModelStatus.kOptimal else "feasible"
-        return Outcome(status, values, info.objective_function_value)
+        return Outcome(status, values, info.objective_function_value, timed_out)
 
     def assign(self, values: np.ndarray) -> None:
         """Write ``values`` into the PuLP variables (``varValue``), as PuLP's own solve would."""

@@ -21,7 +21,7 @@ from remat_plugin.planning.blocks import Block, make_blocks
 from remat_plugin.planning.budget_search import fastest_fitting
 from remat_plugin.planning.menus import Planner
 from remat_plugin.planning.solvers import pulp_backend
-from remat_plugin.planning.solvers.ilp import BlockIlp, block_option
+from remat_plugin.planning.solvers.ilp import BlockIlp, Solution, block_option
 
 __all__ = [
     "CheckmateResult",
@@ -155,6 +155,7 @@ class CheckmateResult:
     optimal: bool  # the MILP solver proved optimality (within ``gap_rel``); False on timeout or LP rounding
     status: str  # "keep_all", "optimal", "feasible" (time limit), "rounded" (LP relaxation), "infeasible", "none"
     objective_ms: float | None  # the ILP's recompute time (equals the simulated recompute_ms)
+    solution: Solution | None = None  # the integer solution, a warm start for a looser budget
 
 
 def _gap(gap_rel: float | None) -> float:
@@ -169,17 +170,19 @@ def checkmate_solve(
     gap_rel: float | None = None,
     solver: str | None = None,
     ilp: BlockIlp | None = None,
+    warm: Solution | None = None,
 ) -> CheckmateResult:
     """The whole-graph ILP at ``budget_bytes`` with its solve status; the schedule, if any, has been checked by the simulator to fit the budget.
 
     ``gap_rel`` overrides :data:`pulp_backend.DEFAULT_GAP_REL` (1 %) for this solve; 0 asks for a proof of
-    optimality.  ``ilp`` (a built ``BlockIlp`` of ``problem``) may be passed to reuse the model.
+    optimality.  ``ilp`` (a built ``BlockIlp`` of ``problem``) may be passed to reuse the model; ``warm``: a solution
+    that fits this budget (one found at a tighter budget), as the MIP's first incumbent.
     """
     keep_all = Schedule.keep_all(problem)
     if simulate_within(problem, keep_all, budget_bytes) is not None:
         return CheckmateResult(keep_all, True, "keep_all", 0.0)
     ilp = BlockIlp.build(problem, solver) if ilp is None else ilp
-    found = ilp.solve(budget_bytes, None, time_limit_s, gap_rel=_gap(gap_rel), to_optimality=True)
+    found = ilp.solve(budget_bytes, None, time_limit_s, warm=warm, gap_rel=_gap(gap_rel), to_optimality=True)
     if found is None:
         infeasible = ilp.status == "infeasible"
         return CheckmateResult(None, infeasible, "infeasible" if infeasible else "none", None)
@@ -187,7 +190,7 @@ def checkmate_solve(
     if solution is None:  # only the rounded LP relaxation returns no solution
         return CheckmateResult(schedule, False, "rounded", None)
     optimal = ilp.status == "optimal"
-    return CheckmateResult(schedule, optimal, "optimal" if optimal else "feasible", ilp.objective_value)
+    return CheckmateResult(schedule, optimal, "optimal" if optimal else "feasible", ilp.objective_value, solution)
 
 
 def checkmate_min_peak(

@@ -5,7 +5,8 @@ PY := .venv/bin/python
 PY214 := .venv-torch2.14/bin/python
 # Two pytest-xdist workers for this 2-core machine (tests/conftest.py gives each worker cores/workers torch
 # threads).  The whole suite: each file on one worker, the longest first (see tests/conftest.py).  The core tests
-# have no shared port or module fixture: test by test.
+# have no shared port or module fixture: test by test.  Each run writes its per-test times to test-results/ (JUnit XML),
+# which `python -m remat_plugin.bench ci-durations` sums per file.
 PYTEST := -m pytest -q -n 2
 # The core tests, also run on torch 2.14 (the one list of them): capture, planning, the runtime, the training loop
 # (gpt2-tiny, llama-tiny), the Lightning, Accelerate and DDP integrations end to end.  The slower
@@ -68,10 +69,10 @@ lint: .venv/ready
 	$(PY) -m mypy remat_plugin integrations
 
 test-torch2.13: .venv/ready
-	$(PY) $(PYTEST) --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) $(PYTEST) --dist loadfile --no-loadscope-reorder --durations=15 --junitxml=test-results/torch2.13.xml
 
 test-torch2.14: .venv-torch2.14/ready
-	$(PY214) $(PYTEST) $(CORE_TESTS) $(call deselect,$(CORE_SKIP))
+	$(PY214) $(PYTEST) $(CORE_TESTS) $(call deselect,$(CORE_SKIP)) --junitxml=test-results/torch2.14.xml
 
 test-fast: .venv/ready
 	$(PY) $(PYTEST) -m "not slow" $(CORE_TESTS) $(call deselect,$(FAST_SKIP))

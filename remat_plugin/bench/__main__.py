@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
         symbolic_capture_main(argv[1:])
         return 0
+    if argv[:1] == ["ci-durations"]:  # make test's per-file test times, from its JUnit XML
+        from remat_plugin.bench.ci_durations import main as ci_durations_main
+
+        ci_durations_main(argv[1:])
+        return 0
     if argv[:1] == ["batch-size"]:  # our planned batch size against Lightning's BatchSizeFinder
         from remat_plugin.bench.batch_size_bench import main as batch_size_main
 

@@ -33,4 +33,4 @@ def test_sums_per_file_longest_first_with_failures_skips_and_metadata(tmp_path, 
 def test_a_missing_file_names_where_make_test_writes(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["ci-durations", "test-results/none.xml"])
-    assert exc.value.code == 2 and "make test writes test-results/torch2.13.xml" in capsys.readouterr().err
+    assert exc.value.code == 2 and "`make test` writes test-results/torch2.13.xml" in capsys.readouterr().err

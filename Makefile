@@ -47,18 +47,22 @@ FAST_SKIP := $(CORE_SKIP) compiled_plan_matches_eager smallest_budget[gpt2-tiny]
 space := $(subst ,, )
 deselect = -k "not $(subst $(space), and not ,$(strip $(1)))"
 
+# The venvs may be built side by side (make test): their torch installs overlap, while the editable installs of this
+# directory, which write its .egg-info, take turns.
+INSTALL_LOCK := flock .venv-install.lock
+
 .venv/ready: pyproject.toml constraints-dev.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints-dev.txt -e ".[test]"
+	$(INSTALL_LOCK) $(PY) -m pip install -q -c constraints-dev.txt -e ".[test]"
 	touch $@
 
 .venv-torch2.14/ready: pyproject.toml constraints-dev.txt
 	python3 -m venv .venv-torch2.14
 	$(PY214) -m pip install -q --upgrade pip
 	$(PY214) -m pip install -q torch==2.14.1
-	$(PY214) -m pip install -q -c constraints-dev.txt -e ".[test]"
+	$(INSTALL_LOCK) $(PY214) -m pip install -q -c constraints-dev.txt -e ".[test]"
 	touch $@
 
 demo: .venv/ready
@@ -77,8 +81,8 @@ test-torch2.14: .venv-torch2.14/ready
 test-fast: .venv/ready
 	$(PY) $(PYTEST) -m "not slow" $(CORE_TESTS) $(call deselect,$(FAST_SKIP))
 
-# ruff and mypy on one core while pip builds .venv-torch2.14 on the other; then the two test runs.
-test: .venv/ready
+# Both venvs built side by side (lint as soon as .venv is ready), then the two test runs.
+test:
 	$(MAKE) -j2 lint .venv-torch2.14/ready
 	$(MAKE) test-torch2.13 test-torch2.14
 

@@ -329,6 +329,10 @@ class BlockIlp:
         """
         self.set_budgets(peak_budget_bytes, kept_budget_bytes)
         goal = {"recompute": self.recompute_ms, "peak": self.peak + 0, "kept": self.kept + 0}[objective]
+        if not to_optimality and len(self.columns) >= pulp_backend.MIP_LARGE_COLUMNS:
+            self.prob.setObjective(goal)  # NOTE [work, not time]: the rounded LP relaxation only
+            self.status = "none"
+            return self._round_relaxation(peak_budget_bytes, kept_budget_bytes, time_limit_s)
         if self._run(goal, time_limit_s, warm, gap_rel, not to_optimality):
             schedule = self.schedule_from_values()
             if simulate_within(self.problem, schedule, peak_budget_bytes, kept_budget_bytes) is not None:

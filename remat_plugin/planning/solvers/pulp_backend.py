@@ -24,7 +24,9 @@ NOTE [work, not time]
     * :data:`MIP_MAX_IMPROVING_SOLUTIONS` improving solutions (a warm start is one);
     * a number of branch-and-bound nodes that shrinks as the model grows (:func:`max_nodes`);
     * :data:`MIP_MAX_CHECKS` of HiGHS's own limit checks made with a solution in hand
-      (:class:`_CheckCount`): the root's cut rounds, which no node limit bounds.
+      (:class:`_CheckCount`): the root's cut rounds, which no node limit bounds;
+    * above :data:`MIP_LARGE_COLUMNS` columns, the rounded LP relaxation instead of the MIP (its
+      root can run a minute between limit checks).
     HiGHS's simplex iteration limit does not bound a MIP's LPs, and its callbacks report no LP
     iterations.  Measured on meta-costed problems at 4 x 512 (ad hoc): a GPT-2 layer's least-peak
     ILP spent 3 s in its root; a Llama layer's warm-started least-recompute ILP (3,668 columns)
@@ -55,6 +57,9 @@ MIP_MAX_CHECKS = 20  # HiGHS's limit checks with a solution in hand (_CheckCount
 # Smaller models are solved to the gap: quick anyway, and their first solutions can be far from the optimum (a
 # 59-column diamond block: 7 ms of recompute at its third solution, 6 at the optimum).
 MIP_LIMITED_COLUMNS = 300
+# A block ILP this large is answered by its rounded LP relaxation, not the MIP: a 3-layer bidirectional LSTM's
+# 16,655-column ILP spent 30-60 s in HiGHS's root, where no limit check comes, before its first solution of least peak.
+MIP_LARGE_COLUMNS = 10_000
 _HIGHS_NO_LIMIT = 2**31 - 1  # HiGHS's default for both counts
 DEFAULT_GAP_REL = 0.01  # accept solutions proved within 1 % of optimal
 SOLVER_NAMES = ("highs", "cbc")

@@ -20,13 +20,13 @@ XML = """<?xml version="1.0" encoding="utf-8"?>
 def test_sums_per_file_longest_first_with_failures_skips_and_metadata(tmp_path, capsys):
     xml, out = tmp_path / "torch2.13.xml", tmp_path / "durations.json"
     xml.write_text(XML)
-    assert main(["ci-durations", str(xml), "--wall-s", "100", "--json", str(out)]) == 0
+    assert main(["ci-durations", str(xml), "--wall-s", "100", "--commit", "abc123", "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     run = record["runs"]["torch2.13"]
     assert list(run["files"]) == ["test_b.py", "test_a.py"]
     assert run["files"]["test_a.py"] == {"s": 3.8, "tests": 2} and run["files"]["test_b.py"] == {"s": 7.0, "tests": 2}
     assert (run["tests"], run["failed"], run["skipped"], run["wall_s"], run["test_s"]) == (4, 1, 1, 12.5, 10.8)
-    assert record["ci_wall_s"] == 100 and {"command", "commit", "date", "machine"} <= set(record)
+    assert record["ci_wall_s"] == 100 and record["commit"] == "abc123" and {"command", "date", "machine"} <= set(record)
     assert "4 tests (1 failed, 1 skipped), 11 s of tests in 12 s wall" in capsys.readouterr().out
 
 

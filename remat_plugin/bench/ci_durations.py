@@ -1,7 +1,7 @@
 """Where CI's time goes: the per-file test time of ``make test``'s runs, from their JUnit XML.
 
     python -m remat_plugin.bench ci-durations test-results/torch2.13.xml test-results/torch2.14.xml \
-        [--wall-s 1712] [--json results/ci_durations_cpu.json]
+        [--wall-s 1712] [--commit SHA] [--json results/ci_durations_cpu.json]
 
 ``make test`` writes one XML file per run (``test-results/``).  For each run this sums the
 time of every test (setup, call and teardown, as pytest reports it) per file, counts tests,
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("xml", nargs="+", help="JUnit XML files written by make test (test-results/*.xml)")
     parser.add_argument("--wall-s", type=float, help="the whole .ci/run's wall time in seconds, measured outside")
     parser.add_argument("--top", type=int, default=15, help="files printed per run")
+    parser.add_argument("--commit", help="the commit the runs tested (default: this checkout's HEAD)")
     parser.add_argument("--json", help="write the sums here")
     opts = parser.parse_args(argv)
     missing = [p for p in opts.xml if not Path(p).is_file()]
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {row['s']:7.1f} s {row['tests']:4d}  {file}")
     if opts.json:
         record = {"command": "python -m remat_plugin.bench ci-durations " + " ".join(argv or sys.argv[1:]),
-                  "commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                  "commit": opts.commit or _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
                   "ci_wall_s": opts.wall_s, "runs": runs}
         Path(opts.json).write_text(json.dumps(record, indent=1))

@@ -153,7 +153,7 @@ def rotor_schedule(
 class CheckmateResult:
     schedule: Schedule | None
     optimal: bool  # the MILP solver proved optimality (within ``gap_rel``); False on timeout or LP rounding
-    status: str  # "keep_all", "optimal", "feasible" (time limit), "rounded" (LP relaxation), "infeasible", "none"
+    status: str  # "keep_all", "optimal", "feasible" (stopped by the time limit), "rounded" (LP relaxation), "infeasible", "none"
     objective_ms: float | None  # the ILP's recompute time (equals the simulated recompute_ms)
     solution: Solution | None = None  # the integer solution, a warm start for a looser budget
 

@@ -172,8 +172,9 @@ def lowest_peak(planner: Planner, work: int = SEARCH_WORK, n_starts: int = 2):
 #     peak is no lower: the floor descent offers a holding block only options that keep fewer bytes, and the
 #     running block every option.  (The bytes are the block's own: a value it keeps that the graph holds
 #     anyway changes nothing at the peak, so a skipped swap could in principle still lower it.)  On a
-#     16-layer llama-tiny the descent then converges within its time share instead of running into it: its
-#     floor search took 0.7-1.3 s instead of 2.0-2.3 s and ended 0.06-0.6% lower, in four captures; the floors
+#     16-layer llama-tiny the descent then converged within its share of the search (then a 2 s clock, now
+#     SEARCH_WORK) instead of running into it: its floor search took 0.7-1.3 s instead of 2.0-2.3 s and ended
+#     0.06-0.6% lower, in four captures; the floors
 #     of the bench models (gpt2-tiny at 4 and 12 layers in four captures, bert, llama, t5, mixtral, mlp-chain,
 #     resnet) were the same or lower (ad hoc, 2026-11-30, the machine in its slow state; README "Planning time").
 def _descend_peak(planner: Planner, best: tuple[Schedule, Simulation, ChainPlan],

@@ -171,8 +171,9 @@ def solve(prob: pulp.LpProblem, name: str, time_limit_s: float, mip: bool = True
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one solve left: ``status`` is "optimal" (within the gap), "feasible" (an incumbent when time ran
-    out), "infeasible" (proved) or "none" (no solution, not proved infeasible); ``values`` by column."""
+    """What one solve left: ``status`` is "optimal" (within the gap), "feasible" (an incumbent when a work limit or
+    the time limit stopped it), "infeasible" (proved) or "none" (no solution, not proved infeasible); ``values``
+    by column."""
 
     status: str
     values: np.ndarray | None

@@ -116,9 +116,14 @@ def max_nodes(n_columns: int) -> int:
     return min(MIP_NODES[1], max(MIP_NODES[0], MIP_NODE_WORK // max(1, n_columns)))
 
 
+def _counts_apply(work_limited: bool, n_columns: int) -> bool:
+    """Whether a solve stops on the counts of NOTE [work, not time]: asked to, and the model is not small."""
+    return work_limited and n_columns >= MIP_LIMITED_COLUMNS
+
+
 def _work_limits(work_limited: bool, n_columns: int) -> dict[str, int]:
     """HiGHS's options for NOTE [work, not time]; without them, its own defaults (no limit)."""
-    if not work_limited or n_columns < MIP_LIMITED_COLUMNS:
+    if not _counts_apply(work_limited, n_columns):
         return {"mip_max_improving_sols": _HIGHS_NO_LIMIT, "mip_max_nodes": _HIGHS_NO_LIMIT}
     return {"mip_max_improving_sols": MIP_MAX_IMPROVING_SOLUTIONS, "mip_max_nodes": max_nodes(n_columns)}
 
@@ -266,7 +271,7 @@ class PersistentHighs:
             start.col_value = [float(x) for x in warm]
             start.value_valid = True
             h.setSolution(start)
-        checks = _CheckCount(MIP_MAX_CHECKS if work_limited and len(self.columns) >= MIP_LIMITED_COLUMNS else None)
+        checks = _CheckCount(MIP_MAX_CHECKS if _counts_apply(work_limited, len(self.columns)) else None)
         h.cbMipInterrupt.subscribe(checks)
         try:
             h.run()
